@@ -1,0 +1,11 @@
+"""cbopt: callback-composed optimizers for PyTorch, fastai-style, with named (FQN) state."""
+__version__ = "0.1.0"
+
+from .callbacks import *
+from .callbacks import __all__ as _callbacks_all
+from .hypers import Hypers, ParamGroup
+from .optimizer import Optimizer, cb_defaults
+from .optimizers import *
+from .optimizers import __all__ as _optimizers_all
+
+__all__ = ['Optimizer', 'cb_defaults', 'Hypers', 'ParamGroup', *_callbacks_all, *_optimizers_all]

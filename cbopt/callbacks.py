@@ -1,0 +1,165 @@
+"""Step callbacks: the pieces optimizers are listed from.
+
+A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None`, as in fastai. It reads the param `p`
+(`p.data`, `p.grad`), its state and its group's hypers by keyword, updates tensors in place, and returns the new
+state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers.
+
+Callbacks are written once and run in every backend: the per-param loop passes tensors, a bucket backend passes
+a list-like stand-in for all the params of a bucket. So a callback uses tensor math (`torch.where`, `clamp`) rather
+than Python `if`s on tensor values; branching on hypers or on the step count (plain Python numbers) is fine.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'momentum_step',
+           'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',
+           'qhadam_step', 'larc_layer_lr', 'larc_step', 'lamb_step', 'lookahead_keep', 'lookahead_step']
+
+
+def weight_decay(p, lr, wd, do_wd=True, **kwargs):
+    "Decoupled weight decay (AdamW-style): shrink `p` by `lr*wd`."
+    if do_wd and wd != 0: p.data.mul_(1 - lr * wd)
+weight_decay.defaults = dict(wd=0.)
+
+
+def l2_reg(p, lr, wd, do_wd=True, **kwargs):
+    "L2 regularization: add `wd*p` to the gradient (torch's `weight_decay` in SGD/Adam)."
+    if do_wd and wd != 0: p.grad.data.add_(p.data, alpha=wd)
+l2_reg.defaults = dict(wd=0.)
+
+
+def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
+    "Moving average of the gradient with `mom`; `dampening=True` weighs the new grad by `1-mom` (Adam's first moment)."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.grad.data)
+    damp = 1 - mom if dampening else 1.
+    grad_avg.mul_(mom).add_(p.grad.data, alpha=damp)
+    return {'grad_avg': grad_avg}
+average_grad.defaults = dict(mom=0.9)
+
+
+def dampened_grad_avg(p, mom, dampening=0., grad_avg=None, **kwargs):
+    "torch.optim.SGD's momentum buffer: the first step keeps the grad, later ones compute `mom*avg + (1-dampening)*grad`."
+    if grad_avg is None: return {'grad_avg': p.grad.data.clone()}
+    grad_avg.mul_(mom).add_(p.grad.data, alpha=1 - dampening)
+    return {'grad_avg': grad_avg}
+dampened_grad_avg.defaults = dict(mom=0.9, dampening=0.)
+
+
+def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
+    "Moving average of the squared gradient with `sqr_mom` (Adam's second moment)."
+    if sqr_avg is None: sqr_avg = torch.zeros_like(p.grad.data)
+    damp = 1 - sqr_mom if dampening else 1.
+    sqr_avg.mul_(sqr_mom).addcmul_(p.grad.data, p.grad.data, value=damp)
+    return {'sqr_avg': sqr_avg}
+average_sqr_grad.defaults = dict(sqr_mom=0.99)
+
+
+def sgd_step(p, lr, **kwargs):
+    "Plain SGD step: `p -= lr * grad`."
+    p.data.add_(p.grad.data, alpha=-lr)
+
+
+def momentum_step(p, lr, grad_avg, **kwargs):
+    "SGD with momentum: `p -= lr * grad_avg`."
+    p.data.add_(grad_avg, alpha=-lr)
+
+
+def nesterov_step(p, lr, mom, grad_avg, **kwargs):
+    "Nesterov momentum, as torch.optim.SGD: `p -= lr * (grad + mom*grad_avg)`."
+    p.data.add_(p.grad.data.add(grad_avg, alpha=mom), alpha=-lr)
+
+
+def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
+    "RMSProp step: divide the grad (or its average) by `sqrt(sqr_avg) + eps`."
+    denom = sqr_avg.sqrt().add_(eps)
+    p.data.addcdiv_((grad_avg if grad_avg is not None else p.grad.data), denom, value=-lr)
+rms_prop_step.defaults = dict(eps=1e-8)
+
+
+def step_stat(p, step=0, **kwargs):
+    "Count the steps taken by `p` (a Python int, so it never holds a tensor back)."
+    return {'step': step + 1}
+
+
+def debias(mom: float, damp: float, step: int) -> float:
+    "Bias correction of a moving average with `mom` after `step` steps."
+    return damp * (1 - mom ** step) / (1 - mom)
+
+
+def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
+    "Adam step from the debiased moments."
+    debias1 = debias(mom, 1 - mom, step)
+    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
+    p.data.addcdiv_(grad_avg, (sqr_avg / debias2).sqrt() + eps, value=-lr / debias1)
+adam_step.defaults = dict(eps=1e-5)
+
+
+def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs):
+    "RAdam step: Adam rectified by the variance of the adaptive lr; plain momentum SGD while that is undefined."
+    debias1 = debias(mom, 1 - mom, step)
+    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
+    r_inf = 2 / (1 - sqr_mom) - 1
+    r = r_inf - 2 * step * sqr_mom ** step / (1 - sqr_mom ** step)
+    if r > 5:
+        v = math.sqrt(((r - 4) * (r - 2) * r_inf) / ((r_inf - 4) * (r_inf - 2) * r))
+        denom = (sqr_avg / debias2).sqrt()
+        if eps: denom = denom + eps
+        if beta: denom = F.softplus(denom, beta)
+        p.data.addcdiv_(grad_avg, denom, value=-lr * v / debias1)
+    else: p.data.add_(grad_avg, alpha=-lr / debias1)
+radam_step.defaults = dict(eps=1e-5, beta=0.)
+
+
+def qhadam_step(p, lr, mom, sqr_mom, sqr_avg, nu_1, nu_2, step, grad_avg, eps, **kwargs):
+    "Quasi-hyperbolic Adam: mix the raw grad with the debiased moments by `nu_1` and `nu_2`."
+    debias1 = debias(mom, 1 - mom, step)
+    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
+    g = p.grad.data
+    p.data.addcdiv_(((1 - nu_1) * g) + (nu_1 * (grad_avg / debias1)),
+                    (((1 - nu_2) * g ** 2) + (nu_2 * (sqr_avg / debias2))).sqrt() + eps,
+                    value=-lr)
+qhadam_step.defaults = dict(eps=1e-8, nu_1=0.7, nu_2=1.0)
+
+
+def larc_layer_lr(p, lr, trust_coeff, wd, eps, clip=True, **kwargs):
+    "LARC/LARS: a layer-wise lr from the ratio of the param norm to the grad norm (clipped at `lr` for LARC)."
+    p_norm, g_norm = torch.linalg.vector_norm(p.data), torch.linalg.vector_norm(p.grad.data)
+    local_lr = lr * trust_coeff * p_norm / (g_norm + p_norm * wd + eps)
+    return {'local_lr': local_lr.clamp(max=lr) if clip else local_lr}
+larc_layer_lr.defaults = dict(trust_coeff=0.02, wd=0., eps=1e-8)
+
+
+def larc_step(p, local_lr, grad_avg=None, **kwargs):
+    "Step with the layer-wise `local_lr` on the grad (or its average)."
+    p.data.sub_((p.grad.data if grad_avg is None else grad_avg) * local_lr)
+
+
+def lamb_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
+    "LAMB step: the Adam update rescaled by the trust ratio `|p| / |update|` (capped at 10, 1 when either is 0)."
+    debias1 = debias(mom, 1 - mom, step)
+    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
+    r1 = p.data.pow(2).mean().sqrt()
+    update = (grad_avg / debias1) / ((sqr_avg / debias2).sqrt() + eps)
+    r2 = update.pow(2).mean().sqrt()
+    q = torch.where((r1 == 0) | (r2 == 0), 1., (r1 / r2).clamp(max=10))
+    p.data.sub_(update * (lr * q))
+lamb_step.defaults = dict(eps=1e-6, wd=0.)
+
+
+def lookahead_keep(p, slow_p=None, **kwargs):
+    "Lookahead, first half: remember the slow weights as they were before the first fast step."
+    if slow_p is None: return {'slow_p': p.data.clone()}
+
+
+def lookahead_step(p, k, alpha, la_step=0, slow_p=None, **kwargs):
+    "Lookahead, second half: every `k` steps move the slow weights `alpha` of the way to `p`, and restart `p` there."
+    la_step += 1
+    if la_step % k == 0:
+        slow_p.add_(p.data - slow_p, alpha=alpha)
+        p.data.copy_(slow_p)
+    return {'la_step': la_step}
+lookahead_step.defaults = dict(k=6, alpha=0.5)
