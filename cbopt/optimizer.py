@@ -3,6 +3,7 @@ while being a real `torch.optim.Optimizer` (schedulers, GradScaler, hooks, closu
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -38,6 +39,19 @@ def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
         if isinstance(new, dict): state.update(new)
 
 
+def find_learner_model() -> torch.nn.Module | None:
+    "The model of the fastai Learner whose `create_opt` is building this optimizer, if any (fastai is never imported)."
+    learner_mod = sys.modules.get('fastai.learner')
+    if learner_mod is None: return None
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None: break
+        obj = frame.f_locals.get('self')
+        if isinstance(obj, learner_mod.Learner) and frame.f_code.co_name == 'create_opt': return obj.model
+        frame = frame.f_back
+    return None
+
+
 class Optimizer(torch.optim.Optimizer):
     "An optimizer made of step callbacks `cbs`; `defaults` (merged over the callbacks' own) are the hypers."
     _keep_on_clear = FLAGS
@@ -60,6 +74,7 @@ class Optimizer(torch.optim.Optimizer):
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
         self.frozen_idx = 0
         super().__init__(groups, scalar_defaults)
+        if model := find_learner_model(): self.name_params(model)
 
     # -- params and groups ---------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -90,6 +105,12 @@ class Optimizer(torch.optim.Optimizer):
         return L(L(g['params']) for g in self.param_groups)
 
     def named_params(self) -> dict[str, torch.Tensor]: return dict(zip(self.param_names, self.params))
+
+    def name_params(self, model: torch.nn.Module) -> None:
+        "Rename positionally named params by their FQNs in `model`, so state_dicts are keyed like `model.state_dict()`."
+        fqn = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        if not all(id(p) in fqn for p in self.params): return
+        for g in self.param_groups: g['param_names'] = [fqn[id(p)] for p in g['params']]
 
     def all_params(self, n: slice | int = slice(None), with_grad: bool = False) -> L:
         "(param, group, state, hypers) tuples for the groups `n`, optionally only those with a grad (as fastai's)."
