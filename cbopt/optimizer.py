@@ -197,7 +197,9 @@ class Optimizer(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values(): hook(self)
 
     # -- pickling (torch's __getstate__ keeps only defaults, state and param_groups) -------------------------------
-    def __getstate__(self) -> dict: return dict(self.__dict__)
+    def __getstate__(self) -> dict:
+        "Everything but the hooks, which torch does not pickle either (they are often lambdas)."
+        return {k: v for k, v in self.__dict__.items() if not k.startswith('_optimizer_')}
 
     def __repr__(self) -> str:
         cbs = ', '.join(cb_name(cb) for cb in self.cbs)
