@@ -80,6 +80,7 @@ def expand_hyper(k: str, v: Any, n: int) -> list:
     if isinstance(v, slice):
         if v.start: v = even_mults(v.start, v.stop, n)
         else: v = [v.stop / 10] * (n - 1) + [v.stop]
+    v = _plain(v)  # numpy scalars (fastai's schedules) have no len(): make them plain numbers first
     if isinstance(v, torch.Tensor) and v.ndim == 0: v = [v]
     v = L(v, use_list=None)
     if len(v) == 1: v = v * n
