@@ -16,6 +16,7 @@ from . import state as named_state
 from .state import FLAGS
 from .hypers import ALIASES, Hypers, ParamGroup, expand_hyper
 from .params import check_params, named_groups
+from . import backends  # circular (backends runs `run_chain`): used at call time only
 
 __all__ = ['Optimizer', 'cb_defaults', 'FLAGS']
 
@@ -56,7 +57,10 @@ class Optimizer(torch.optim.Optimizer):
     "An optimizer made of step callbacks `cbs`; `defaults` (merged over the callbacks' own) are the hypers."
     _keep_on_clear = FLAGS
 
-    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], **defaults):
+    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str = 'auto', **defaults):
+        if backend not in backends.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}: expected one of {backends.BACKENDS}")
+        self.backend = backend  # how `step` runs the chain: see cbopt.backends
         if 'train_bn' in defaults:
             defaults.pop('train_bn')
             warnings.warn('Setting `train_bn` in `Optimizer` has no effect. Set `train_bn` on `Learner` init instead')
@@ -163,14 +167,11 @@ class Optimizer(torch.optim.Optimizer):
     # -- stepping ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        "Run the callbacks on every param with a grad; `closure` re-evaluates the model and returns the loss."
+        "Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns the loss."
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
-        for g in self.param_groups:
-            hyper = Hypers(g)
-            for p in g['params']:
-                if p.grad is not None: run_chain(self.cbs, p, self.state[p], hyper)
+        backends.run_step(self, self.backend)
         return loss
 
     # -- named state_dict ----------------------------------------------------------------------------------------

@@ -18,64 +18,65 @@ def _decay(decouple_wd: bool) -> list:
 
 
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
-        nesterov: bool = False, dampening: float = 0.) -> Optimizer:
+        nesterov: bool = False, dampening: float = 0., backend: str = "auto") -> Optimizer:
     "SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay."
     if nesterov and (mom == 0 or dampening != 0): raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     cbs = _decay(decouple_wd)
     if mom != 0: cbs.append(average_grad if dampening == 0 else dampened_grad_avg)
     cbs.append(sgd_step if mom == 0 else nesterov_step if nesterov else momentum_step)
     extra = dict(dampening=dampening) if dampening != 0 else {}
-    return Optimizer(params, cbs, lr=lr, mom=mom, wd=wd, **extra)
+    return Optimizer(params, cbs, lr=lr, mom=mom, wd=wd, **extra, backend=backend)
 
 
 def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: float = 0.99, eps: float = 1e-8,
-            wd: float = 0., decouple_wd: bool = True) -> Optimizer:
+            wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "RMSProp, with optional momentum on the grads."
     cbs = _decay(decouple_wd) + ([average_sqr_grad] if mom == 0 else [average_grad, average_sqr_grad]) + [rms_prop_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-         wd: float = 0.01, decouple_wd: bool = True) -> Optimizer:
+         wd: float = 0.01, decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "Adam; with `decouple_wd=True` (the default) this is AdamW."
     cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-          wd: float = 0., beta: float = 0., decouple_wd: bool = True) -> Optimizer:
+          wd: float = 0., beta: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator)."
     cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, radam_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, beta=beta)
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, beta=beta, backend=backend)
 
 
 def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: float = 0.999, nu_1: float = 0.7,
-           nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True) -> Optimizer:
+           nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "Quasi-hyperbolic Adam."
     cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), partial(average_sqr_grad, dampening=True),
                                  step_stat, qhadam_step]
-    return Optimizer(params, cbs, lr=lr, nu_1=nu_1, nu_2=nu_2, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, lr=lr, nu_1=nu_1, nu_2=nu_2, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = True, trust_coeff: float = 0.02,
-         eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True) -> Optimizer:
+         eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "LARC (`clip=True`) or LARS (`clip=False`): layer-wise adaptive learning rates."
     cbs = _decay(decouple_wd) + ([average_grad] if mom != 0 else []) + [partial(larc_layer_lr, clip=clip), larc_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, trust_coeff=trust_coeff, eps=eps, wd=wd)
+    return Optimizer(params, cbs, lr=lr, mom=mom, trust_coeff=trust_coeff, eps=eps, wd=wd, backend=backend)
 
 
 def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-         wd: float = 0., decouple_wd: bool = True) -> Optimizer:
+         wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "LAMB: Adam with a layer-wise trust ratio."
     cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, lamb_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
-    "`opt` with Lookahead: every `k` steps its params move back `1-alpha` of the way to slow weights."
+    "`opt` with Lookahead: every `k` steps its params move back `1-alpha` of the way to slow weights (same backend)."
     groups = [{'params': g['params'], 'param_names': g['param_names'], **opt.hypers[i]}
               for i, g in enumerate(opt.param_groups)]
-    res = Optimizer(groups, [lookahead_keep, *opt.cbs, lookahead_step], **{**opt.defaults, 'k': k, 'alpha': alpha})
+    res = Optimizer(groups, [lookahead_keep, *opt.cbs, lookahead_step], backend=opt.backend,
+                    **{**opt.defaults, 'k': k, 'alpha': alpha})
     for g in res.param_groups: g.update(k=k, alpha=alpha)
     for p in opt.params:
         if p in opt.state: res.state[p] = opt.state[p]
@@ -83,6 +84,6 @@ def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
 
 
 def ranger(params: Any, lr: float | slice = 1e-3, mom: float = 0.95, wd: float = 0.01, eps: float = 1e-6, k: int = 6,
-           alpha: float = 0.5, **kwargs) -> Optimizer:
+           alpha: float = 0.5, backend: str = "auto", **kwargs) -> Optimizer:
     "RAdam with Lookahead (fastai's `ranger`)."
-    return Lookahead(RAdam(params, lr=lr, mom=mom, wd=wd, eps=eps, **kwargs), k=k, alpha=alpha)
+    return Lookahead(RAdam(params, lr=lr, mom=mom, wd=wd, eps=eps, backend=backend, **kwargs), k=k, alpha=alpha)

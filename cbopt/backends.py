@@ -1,0 +1,298 @@
+"""Backends: the ways an `Optimizer` runs its callback chain over the params, all with the same math (the callbacks').
+
+- `loop`: each callback once per param (fastai's way, and the reference the others are tested against).
+- `foreach`: the params are split into buckets (`buckets`) of params that one call can serve; each callback runs
+  once per bucket on `TensorList` stand-ins, so its tensor ops become `torch._foreach_*` kernels over the bucket.
+- `fused`: the whole chain is one pass per bucket: torch's fused kernel when the chain is exactly one
+  (`torch._fused_adamw_` for cbopt's AdamW), otherwise the chain compiled over the bucket with `torch.compile`.
+- `auto`: see `pick_runner`.
+
+A bucket's state is each param's own `opt.state[p]` entries (viewed as TensorLists while the chain runs), so
+state_dicts are the same whatever the backend, and a checkpoint saved under one resumes under any other.
+"""
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from . import optimizer as _optimizer  # circular: resolved at call time
+from .hypers import Hypers
+from .tensorlist import BucketError, TensorList
+
+if TYPE_CHECKING: from .optimizer import Optimizer
+
+__all__ = ['BACKENDS', 'Bucket', 'buckets', 'step_loop', 'step_foreach', 'step_fused', 'step_auto', 'pick_runner',
+           'run_step', 'TensorList', 'BucketError']
+
+BACKENDS = ('auto', 'loop', 'foreach', 'fused')
+
+
+def _run_chain(cbs, p, state: dict, hyper: Mapping) -> None:
+    "`optimizer.run_chain`: the one definition of a step, shared by every backend."
+    _optimizer.run_chain(cbs, p, state, hyper)
+
+
+# -- bucketing ---------------------------------------------------------------------------------------------------
+class Bucket(NamedTuple):
+    "Params that one call of the chain can serve: same group, device, dtype, flags, Python state and state keys."
+    group: dict
+    params: list
+    states: list  # each param's own `opt.state[p]` dict
+
+    @property
+    def layout(self) -> tuple:
+        "What a compiled chain is specialised on: everything but the values of the Python state."
+        p = self.params[0]
+        return (p.device, p.dtype, len(self.params), tuple(self.states[0]))
+
+
+def _state_key(st: dict) -> tuple:
+    "Tensor state by key only; Python values (step counts, flags) by value, as one call must share them."
+    return tuple(k if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items())
+
+
+def buckets(opt: Optimizer) -> list[Bucket]:
+    "The params with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys)."
+    out = {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g['params']:
+            if p.grad is None: continue
+            st = opt.state[p]
+            key = (gi, p.device, p.dtype, _state_key(st))
+            try: b = out.get(key)
+            except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
+            if b is None: b = out[key] = Bucket(g, [], [])
+            b.params.append(p)
+            b.states.append(st)
+    return list(out.values())
+
+
+def stand_in(b: Bucket) -> TensorList:
+    "The bucket as one param: a TensorList of its params whose `.grad` is the TensorList of their grads."
+    p = TensorList(b.params)
+    p.grad = TensorList([q.grad for q in b.params])
+    return p
+
+
+def bucket_state(b: Bucket) -> dict:
+    "The bucket's state as callbacks see it: tensors as TensorLists, Python values (shared by the bucket) as they are."
+    return {k: TensorList([s[k] for s in b.states]) if isinstance(v, torch.Tensor) else v for k, v in b.states[0].items()}
+
+
+def write_state(b: Bucket, before: dict, after: dict) -> None:
+    "Give each param its own tensor of every new TensorList state entry, and every param the new Python values."
+    for k, v in after.items():
+        if v is before.get(k): continue
+        if isinstance(v, TensorList):
+            for s, t in zip(b.states, v, strict=True): s[k] = t
+        else:
+            for s in b.states: s[k] = v
+
+
+# -- per-optimizer runtime memory (kept off the optimizer, so that pickling and deepcopy never see it) ------------
+class _Runtime:
+    def __init__(self): self.warned, self.seen, self.no_compile = set(), set(), set()
+
+_RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def _runtime(opt) -> _Runtime:
+    if opt not in _RUNTIME: _RUNTIME[opt] = _Runtime()
+    return _RUNTIME[opt]
+
+
+def _warn_once(opt, key, msg: str) -> None:
+    rt = _runtime(opt)
+    if key not in rt.warned:
+        rt.warned.add(key)
+        warnings.warn(msg, stacklevel=4)
+
+
+# -- loop ----------------------------------------------------------------------------------------------------------
+def step_loop(opt: Optimizer) -> None:
+    "The reference: every callback once per param with a grad."
+    for g in opt.param_groups:
+        hyper = Hypers(g)
+        for p in g['params']:
+            if p.grad is not None: _run_chain(opt.cbs, p, opt.state[p], hyper)
+
+
+def _loop_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    for p, st in zip(b.params, b.states): _run_chain(opt.cbs, p, st, hyper)
+
+
+# -- foreach -------------------------------------------------------------------------------------------------------
+def probe(cbs, b: Bucket, hyper: Mapping) -> Callable | None:
+    """The first callback of the chain that cannot run bucket-wise, found by running the chain on a bucket of one:
+    a copy of the bucket's smallest param, grad and state (so nothing real is touched). Control flow in callbacks may
+    only depend on hypers and Python state, which the copy shares with the bucket, so what fails here would fail on
+    the bucket, and a bucket is only ever stepped whole: never left half-updated by a callback that fails midway."""
+    i = min(range(len(b.params)), key=lambda j: b.params[j].numel())
+    p = TensorList([b.params[i].detach().clone()])
+    p.grad = TensorList([b.params[i].grad.detach().clone()])
+    state = {k: TensorList([v.clone()]) if isinstance(v, torch.Tensor) else v for k, v in b.states[i].items()}
+    for cb in cbs:
+        try:
+            new = cb(p, **{**state, **hyper})
+            if isinstance(new, dict):
+                for k, v in new.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, TensorList):
+                        raise BucketError(f"state {k!r} is one tensor for a whole bucket")
+                state.update(new)
+        except Exception: return cb
+    return None
+
+
+def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    "Run the chain once on bucket `b`; per param (with a one-time warning) if a callback cannot run bucket-wise."
+    bad = probe(opt.cbs, b, hyper)
+    if bad is not None:
+        name = _optimizer.cb_name(bad)
+        _warn_once(opt, ('fallback', name), f"callback {name!r} cannot run on a whole bucket of params (e.g. Python "
+                   "control flow on a tensor value); its buckets run param by param")
+        return _loop_bucket(opt, b, hyper)
+    p, state = stand_in(b), bucket_state(b)
+    before = dict(state)
+    _run_chain(opt.cbs, p, state, hyper)
+    write_state(b, before, state)
+
+
+def step_foreach(opt: Optimizer) -> None:
+    "Each callback once per bucket, its tensor ops spread over the bucket by `torch._foreach_*` kernels."
+    for b in buckets(opt): foreach_bucket(opt, b, Hypers(b.group))
+
+
+# -- fused: torch's own kernels ------------------------------------------------------------------------------------
+def _cb_sig(cb) -> tuple | Callable:
+    "A callback by what it computes: `partial`s compare by function and arguments, not by identity."
+    if isinstance(cb, functools.partial): return (_cb_sig(cb.func), cb.args, tuple(sorted(cb.keywords.items())))
+    return cb
+
+
+def chain_sig(cbs) -> tuple: return tuple(_cb_sig(cb) for cb in cbs)
+
+
+@functools.cache
+def _adamw_sig() -> tuple:
+    from .callbacks import adam_step, average_grad, average_sqr_grad, step_stat, weight_decay
+    return chain_sig([weight_decay, functools.partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step])
+
+
+def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
+
+
+def adamw_kernel(opt, b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
+    "`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b`, or None if it does not apply."
+    st, p0 = b.states[0], b.params[0]
+    if chain_sig(opt.cbs) != _adamw_sig() or set(st) - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
+    if 'dampening' in hyper or not _is_float(hyper['lr'], hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
+    if p0.device.type not in ('cpu', 'cuda') or not p0.is_floating_point(): return None
+    if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
+    if any(p.grad.dtype != p0.dtype for p in b.params): return None
+    def run():
+        step = st['step'] + 1
+        steps = [torch.tensor(float(step), device=p0.device)] * len(b.params)
+        torch._fused_adamw_(b.params, [p.grad for p in b.params], [s['grad_avg'] for s in b.states],
+                            [s['sqr_avg'] for s in b.states], [], steps, lr=hyper['lr'], beta1=hyper['mom'],
+                            beta2=hyper['sqr_mom'], weight_decay=hyper['wd'] if st.get('do_wd', True) else 0.,
+                            eps=hyper['eps'], amsgrad=False, maximize=False)
+        for s in b.states: s['step'] = step
+    return run
+
+
+KERNELS = [adamw_kernel]  # each: (opt, bucket, hyper) -> a function stepping the bucket, or None
+
+
+def torch_kernel(opt, b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
+    "The first of torch's fused kernels that computes this chain on this bucket, if any."
+    for k in KERNELS:
+        if (run := k(opt, b, hyper)) is not None: return run
+    return None
+
+
+# -- fused: the chain compiled over a bucket -----------------------------------------------------------------------
+_COMPILED: dict = {}  # (chain_sig, layout) -> compiled function, shared by every optimizer in the process
+
+
+def _fused_chain_fn(cbs, name: str) -> Callable:
+    "The chain over a list of params as one function, under a code object of its own (torch.compile caches per code)."
+    def fused_chain(params, tstates, pystate, hyper):
+        new_t, new_py = [], {}
+        for p, ts in zip(params, tstates):  # unrolled when compiled: one graph for the bucket, fused by inductor
+            st = {**pystate, **ts}
+            _run_chain(cbs, p, st, hyper)
+            new_t.append({k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v is not ts.get(k)})
+            new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        return new_t, new_py
+    code = fused_chain.__code__.replace(co_name=name)
+    return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
+
+
+def compiled_chain(opt, b: Bucket) -> Callable:
+    "The chain compiled for `b`'s layout (dynamic shapes and Python numbers: lr or step changes do not recompile)."
+    key = (chain_sig(opt.cbs), b.layout)
+    if key not in _COMPILED:
+        fn = _fused_chain_fn(opt.cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
+    return _COMPILED[key]
+
+
+def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    """Step `b` with the compiled chain. Compilation traces the chain before running anything, so a chain that
+    cannot be compiled raises before any tensor is touched."""
+    pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
+    tstates = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in b.states]
+    new_t, new_py = compiled_chain(opt, b)(b.params, tstates, pystate, dict(hyper))
+    for s, nt in zip(b.states, new_t):
+        s.update(nt)
+        s.update(new_py)
+
+
+def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    """One pass over `b`: torch's kernel if one matches; else the compiled chain, once a first eager (foreach) step
+    of this layout has created the state; foreach (warning once) if the chain does not compile."""
+    if (kernel := torch_kernel(opt, b, hyper)) is not None: return kernel()
+    rt, layout = _runtime(opt), b.layout
+    if layout in rt.no_compile or layout not in rt.seen:
+        foreach_bucket(opt, b, hyper)
+        rt.seen.update((layout, b.layout))  # the layout after the step is state-complete: compile it next time
+        return
+    try: compiled_bucket(opt, b, hyper)
+    except Exception as e:
+        rt.no_compile.add(layout)
+        _warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e).__name__}: {e}); "
+                   "running it with the foreach backend")
+        foreach_bucket(opt, b, hyper)
+
+
+def step_fused(opt: Optimizer) -> None:
+    "The whole chain as one pass per bucket (vertical fusion): torch's fused kernel or the compiled chain."
+    for b in buckets(opt): fused_bucket(opt, b, Hypers(b.group))
+
+
+# -- auto ------------------------------------------------------------------------------------------------------------
+def pick_runner(opt, b: Bucket, hyper: Mapping) -> Callable:
+    """auto's rule, per bucket: torch's fused kernel when one computes exactly this chain (cbopt's AdamW), as it is
+    the fastest; foreach otherwise, as it is always correct, needs no compile time (a first compile costs seconds to
+    a minute) and beats the per-param loop. The compiled chain is opt-in (`backend='fused'`) for long runs."""
+    if (kernel := torch_kernel(opt, b, hyper)) is not None: return kernel
+    return functools.partial(foreach_bucket, opt, b, hyper)
+
+
+def step_auto(opt: Optimizer) -> None:
+    for b in buckets(opt):
+        pick_runner(opt, b, Hypers(b.group))()
+
+
+RUNNERS = {'loop': step_loop, 'foreach': step_foreach, 'fused': step_fused, 'auto': step_auto}
+
+
+def run_step(opt: Optimizer, backend: str) -> None:
+    "Step `opt` with `backend` (one of `BACKENDS`)."
+    if backend not in RUNNERS: raise ValueError(f"unknown backend {backend!r}: expected one of {BACKENDS}")
+    RUNNERS[backend](opt)

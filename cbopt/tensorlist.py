@@ -1,0 +1,200 @@
+"""`TensorList`: the tensors of a bucket seen as one value, so that a callback written for one param runs on many.
+
+Every op spreads over the list: `torch._foreach_*` kernels where torch has one (arithmetic, `addcmul_`, `lerp_`,
+`sqrt`, `norm`...), one call per tensor otherwise (`torch.where`, comparisons, `F.softplus`, `clone`...). Reductions
+are per tensor (`x.pow(2).mean()` is one 0-d tensor per param), and a list of 0-d tensors broadcasts against the
+full tensors, as a 0-d tensor would. Python control flow on a tensor value cannot be taken for all the params at
+once, so `bool(tl)` raises `BucketError`, which the backends catch to run that bucket param by param.
+"""
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any
+
+import torch
+
+__all__ = ['TensorList', 'BucketError']
+
+
+class BucketError(TypeError):
+    "A callback did something that has no meaning for a whole bucket at once (e.g. `if` on a tensor value)."
+
+
+def _fe(name: str): return getattr(torch, f'_foreach_{name}')
+
+
+def _ts(o: Any) -> list:
+    "A TensorList operand as the plain list foreach kernels take; scalars and single tensors pass through."
+    return list(o) if isinstance(o, TensorList) else o
+
+
+def _scaled(o: Any, k: Any) -> Any:
+    "`o * k`, skipping the multiply when `k` is 1."
+    return o if isinstance(k, Number) and k == 1 else o * k
+
+
+def _zip_call(fn, args: tuple, kwargs: dict):
+    "Call `fn` once per tensor of the TensorLists among `args`/`kwargs`; other arguments are passed to every call."
+    n = next(len(a) for a in [*args, *kwargs.values()] if isinstance(a, TensorList))
+    pick = lambda a, i: a[i] if isinstance(a, TensorList) else a
+    if any(isinstance(a, TensorList) and len(a) != n for a in [*args, *kwargs.values()]):
+        raise BucketError("TensorLists of different lengths in one op")
+    res = [fn(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    return _wrap(res)
+
+
+def _wrap(res: list):
+    "Per-tensor results as a TensorList (or a tuple of them); anything else is not a value of the bucket."
+    if all(isinstance(r, torch.Tensor) for r in res): return TensorList(res)
+    if res and all(isinstance(r, tuple) for r in res): return tuple(_wrap(list(o)) for o in zip(*res))
+    raise BucketError(f"an op gave {type(res[0]).__name__} values per param, which a bucket cannot hold as one value")
+
+
+class TensorList(list):
+    "A list of tensors that behaves like one tensor: ops run over all of them (see the module docstring)."
+    grad: TensorList | None = None  # set on a bucket's stand-in param
+
+    # -- what a callback reads ---------------------------------------------------------------------------------
+    @property
+    def data(self) -> TensorList: return self
+    @property
+    def dtype(self) -> torch.dtype: return self[0].dtype
+    @property
+    def device(self) -> torch.device: return self[0].device
+
+    def __bool__(self): raise BucketError("Python control flow on a tensor value cannot run on a whole bucket")
+    __hash__ = None
+
+    def __repr__(self) -> str: return f"TensorList({list.__repr__(self)})"
+
+    def __getattr__(self, name: str):
+        "Any other tensor method (no foreach kernel for it), called once per tensor."
+        if name.startswith('__') or len(self) == 0 or not callable(getattr(self[0], name, None)):
+            raise AttributeError(f"'TensorList' has no attribute {name!r} usable on a whole bucket")
+        return lambda *args, **kwargs: _zip_call(lambda t, *a, **k: getattr(t, name)(*a, **k), (self, *args), kwargs)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        "torch functions (`torch.zeros_like`, `torch.where`, `F.softplus`...) called with TensorLists."
+        kwargs = kwargs or {}
+        if func is torch.linalg.vector_norm and not kwargs.get('dim') and len(args) < 3:
+            return TensorList(torch._foreach_norm(list(args[0]), *args[1:], **kwargs))
+        name = getattr(func, '__name__', '')
+        if func is getattr(torch, name, None) and isinstance(args[0], TensorList) and hasattr(cls, name):
+            return getattr(args[0], name)(*args[1:], **kwargs)  # torch.sqrt(tl), torch.add(tl, 1)...: the method
+        return _zip_call(func, args, kwargs)
+
+    # -- foreach-backed ops ------------------------------------------------------------------------------------
+    def _binary(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
+        "`self <op> alpha*other`, in place or not, with `other` a scalar, a tensor or a TensorList."
+        if isinstance(other, TensorList) and len(other) != len(self): raise BucketError("TensorLists of different lengths")
+        if not isinstance(other, (Number, torch.Tensor, TensorList)): return NotImplemented
+        fn = _fe(name + '_' * inplace)
+        if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and name not in ('add', 'sub', 'mul', 'div'):
+            other = TensorList([other] * len(self))  # ops without a single-tensor overload
+        if isinstance(other, TensorList) and name in ('add', 'sub'): res = fn(list(self), list(other), alpha=alpha)
+        else: res = fn(list(self), _ts(_scaled(other, alpha) if name in ('add', 'sub') else other))
+        return self if inplace else TensorList(res)
+
+    def add(self, other, alpha=1): return self._binary('add', other, False, alpha)
+    def add_(self, other, alpha=1): return self._binary('add', other, True, alpha)
+    def sub(self, other, alpha=1): return self._binary('sub', other, False, alpha)
+    def sub_(self, other, alpha=1): return self._binary('sub', other, True, alpha)
+    def mul(self, other): return self._binary('mul', other, False)
+    def mul_(self, other): return self._binary('mul', other, True)
+    def div(self, other): return self._binary('div', other, False)
+    def div_(self, other): return self._binary('div', other, True)
+    def pow(self, other): return self._binary('pow', other, False)
+    def pow_(self, other): return self._binary('pow', other, True)
+    def maximum(self, other): return self._binary('maximum', other, False)
+    def minimum(self, other): return self._binary('minimum', other, False)
+    def lerp(self, end, weight): return TensorList(torch._foreach_lerp(list(self), list(end), _ts(weight)))
+    def lerp_(self, end, weight):
+        torch._foreach_lerp_(list(self), list(end), _ts(weight))
+        return self
+
+    def _addc(self, name: str, t1, t2, value, inplace: bool):
+        "addcmul/addcdiv; a per-param `value` (a TensorList of 0-d tensors) scales `t1` first."
+        if isinstance(value, TensorList): t1, value = t1 * value, 1
+        t1, t2 = [o if isinstance(o, TensorList) else TensorList([o] * len(self)) for o in (t1, t2)]
+        res = _fe(name + '_' * inplace)(list(self), list(t1), list(t2), value)
+        return self if inplace else TensorList(res)
+
+    def addcmul(self, t1, t2, value=1): return self._addc('addcmul', t1, t2, value, False)
+    def addcmul_(self, t1, t2, value=1): return self._addc('addcmul', t1, t2, value, True)
+    def addcdiv(self, t1, t2, value=1): return self._addc('addcdiv', t1, t2, value, False)
+    def addcdiv_(self, t1, t2, value=1): return self._addc('addcdiv', t1, t2, value, True)
+
+    def clamp(self, min=None, max=None):
+        res = self
+        if min is not None: res = res._binary('clamp_min', min, False)
+        if max is not None: res = res._binary('clamp_max', max, res is not self)
+        return res if res is not self else self.clone()
+    def clamp_(self, min=None, max=None):
+        if min is not None: self._binary('clamp_min', min, True)
+        if max is not None: self._binary('clamp_max', max, True)
+        return self
+    clip, clip_ = clamp, clamp_
+    def clamp_min(self, v): return self._binary('clamp_min', v, False)
+    def clamp_max(self, v): return self._binary('clamp_max', v, False)
+
+    def copy_(self, src):
+        torch._foreach_copy_(list(self), _ts(src) if isinstance(src, TensorList) else [src] * len(self))
+        return self
+    def zero_(self):
+        torch._foreach_zero_(list(self))
+        return self
+    def fill_(self, v):
+        torch._foreach_zero_(list(self))
+        return self.add_(v)
+    def clone(self, **kwargs): return TensorList(torch._foreach_clone(list(self), **kwargs))
+    def detach(self): return TensorList(t.detach() for t in self)
+
+    def norm(self, p=2, dim=None, **kwargs):
+        if dim is not None: return self.__getattr__('norm')(p, dim, **kwargs)
+        return TensorList(torch._foreach_norm(list(self), p))
+
+    # -- operators -----------------------------------------------------------------------------------------------
+    __add__ = __radd__ = add
+    __mul__ = __rmul__ = mul
+    __sub__, __truediv__, __pow__ = sub, div, pow
+    def __iadd__(self, o): return self.add_(o)
+    def __isub__(self, o): return self.sub_(o)
+    def __imul__(self, o): return self.mul_(o)
+    def __itruediv__(self, o): return self.div_(o)
+    def __rsub__(self, o): return self.neg().add_(o)
+    def __rtruediv__(self, o): return self.reciprocal()._binary('mul', o, True)
+    def __rpow__(self, o):
+        if not isinstance(o, Number): return NotImplemented
+        return TensorList(torch._foreach_pow(o, list(self)))
+    def __neg__(self): return self.neg()
+    def __abs__(self): return self.abs()
+    def __getitem__(self, i):
+        "An int picks one param's tensor (as a list does); anything else indexes inside every tensor."
+        if isinstance(i, int): return list.__getitem__(self, i)
+        return _zip_call(lambda t, i: t[i], (self, i), {})
+
+    def _cmp(op):
+        return lambda self, o: _zip_call(op, (self, o), {})
+    __eq__, __ne__ = _cmp(torch.Tensor.__eq__), _cmp(torch.Tensor.__ne__)
+    __lt__, __le__ = _cmp(torch.Tensor.__lt__), _cmp(torch.Tensor.__le__)
+    __gt__, __ge__ = _cmp(torch.Tensor.__gt__), _cmp(torch.Tensor.__ge__)
+    __and__, __or__, __xor__ = _cmp(torch.Tensor.__and__), _cmp(torch.Tensor.__or__), _cmp(torch.Tensor.__xor__)
+    __rand__, __ror__ = __and__, __or__
+    def __invert__(self): return _zip_call(torch.Tensor.__invert__, (self,), {})
+
+
+def _unary(name: str):
+    def op(self): return TensorList(_fe(name)(list(self)))
+    def op_(self):
+        _fe(name + '_')(list(self))
+        return self
+    op.__name__, op_.__name__ = name, name + '_'
+    return op, op_
+
+for _n in ('sqrt', 'rsqrt', 'exp', 'expm1', 'log', 'log1p', 'log2', 'log10', 'abs', 'neg', 'sign', 'reciprocal',
+           'sigmoid', 'tanh', 'sin', 'cos', 'erf', 'floor', 'ceil', 'round', 'trunc', 'frac'):
+    _op, _op_ = _unary(_n)
+    setattr(TensorList, _n, _op)
+    if hasattr(torch, f'_foreach_{_n}_'): setattr(TensorList, _n + '_', _op_)
+TensorList.negative = TensorList.neg
