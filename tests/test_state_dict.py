@@ -1,0 +1,271 @@
+"""Named state_dicts: keyed by FQN, readable with `weights_only=True`, loaded strictly and atomically (a bad checkpoint
+names the culprit and changes nothing), cast to the params' dtype; torch.optim's and fastai's state_dicts load too."""
+import copy
+
+import pytest
+import torch
+from fastai.optimizer import Adam as FastaiAdam
+from torch import nn
+
+import cbopt
+
+
+def model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
+
+
+NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']
+ADAM_KEYS = {'grad_avg', 'sqr_avg', 'step'}
+
+
+def set_grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params: p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def run(opt, steps, start=0):
+    for i in range(start, start + steps):
+        set_grads(opt.params, i)
+        opt.step()
+    return opt
+
+
+def adam(seed=0, lr=0.01, dtype=torch.float32, steps=3):
+    return run(cbopt.Adam(model(seed, dtype).named_parameters(), lr=lr, wd=0.1), steps, start=seed * 10)
+
+
+def snapshot(opt):
+    "Everything a load may change: each param's state (deep-copied) and the hypers, by name."
+    return ({n: copy.deepcopy(dict(opt.state[p])) for n, p in opt.named_params().items() if p in opt.state},
+            [dict(h) for h in opt.hypers])
+
+
+def assert_same(a, b):
+    "Deep equality of snapshots, tensors compared exactly (dtype included)."
+    (sa, ha), (sb, hb) = a, b
+    assert ha == hb
+    assert sa.keys() == sb.keys()
+    for n in sa:
+        assert sa[n].keys() == sb[n].keys(), n
+        for k, v in sa[n].items():
+            if torch.is_tensor(v): torch.testing.assert_close(v, sb[n][k], rtol=0, atol=0)
+            else: assert v == sb[n][k], (n, k)
+
+
+def assert_same_state(opt, ref):
+    "Two optimizers over different params have equal state and params, param by param (by name)."
+    assert_same(snapshot(opt), snapshot(ref))
+    for p, q in zip(opt.params, ref.params): torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# -- format ------------------------------------------------------------------------------------------------------
+def test_format_and_weights_only(tmp_path):
+    enc, head = model(), nn.Linear(2, 1)
+    opt = cbopt.Adam({'enc': enc.named_parameters(), 'head': dict(head.named_parameters())}, lr=0.01)
+    opt.add_param_group({'params': {'extra': torch.zeros(2, requires_grad=True)}, 'lr': 0.5})
+    run(opt, 2)
+    sd = opt.state_dict()
+    fqns = [f'enc.{n}' for n in NAMES] + ['head.weight', 'head.bias']
+    assert set(sd) == {'state', 'param_groups'}
+    assert list(sd['state']) == fqns + ['extra']
+    assert all(set(s) == ADAM_KEYS for s in sd['state'].values())
+    assert all(s['step'] == 2 and type(s['step']) is int for s in sd['state'].values())
+    assert [g['params'] for g in sd['param_groups']] == [fqns, ['extra']]
+    assert [g['lr'] for g in sd['param_groups']] == [0.01, 0.5]
+    assert {k for k in sd['param_groups'][0] if k != 'params'} == set(opt.hypers[0])
+    torch.save(sd, tmp_path / 'opt.pt')
+    loaded = torch.load(tmp_path / 'opt.pt', weights_only=True)
+    assert loaded['param_groups'] == sd['param_groups']
+    for n, s in sd['state'].items():
+        for k, v in s.items():
+            if torch.is_tensor(v): torch.testing.assert_close(loaded['state'][n][k], v, rtol=0, atol=0)
+
+
+def test_state_dict_does_not_alias_the_optimizer():
+    opt = adam()
+    sd = opt.state_dict()
+    sd['param_groups'][0]['lr'] = 123.
+    sd['param_groups'][0]['params'].append('x')
+    assert opt.hypers[0]['lr'] == 0.01 and opt.param_names == NAMES
+
+
+# -- resume ------------------------------------------------------------------------------------------------------
+def test_resume_in_fresh_optimizer(tmp_path):
+    a = adam(0)
+    a.set_hyper('lr', 0.003)
+    a.state[a.params[1]]['do_wd'] = False
+    torch.save(a.state_dict(), tmp_path / 'opt.pt')
+    m = model(7)  # another model, with a's weights loaded into it
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), a.params): p.copy_(q)
+    b = cbopt.Adam(m.named_parameters(), lr=0.5, wd=0.1)
+    b.state[b.params[1]]['do_wd'] = False  # flags are the model's (fastai's Learner sets them), not the checkpoint's
+    b.load_state_dict(torch.load(tmp_path / 'opt.pt', weights_only=True))
+    assert b.hypers[0]['lr'] == 0.003
+    assert_same_state(b, a)
+    run(a, 3, 100), run(b, 3, 100)
+    assert_same_state(b, a)
+
+
+def test_load_copies_tensors():
+    a, b = adam(0), cbopt.Adam(model(0).named_parameters(), lr=0.01, wd=0.1)
+    b.load_state_dict(a.state_dict())
+    for p, q in zip(a.params, b.params):
+        assert b.state[q]['grad_avg'].data_ptr() != a.state[p]['grad_avg'].data_ptr()
+
+
+# -- strict and atomic -------------------------------------------------------------------------------------------
+def _sgd_state_dict():
+    return run(cbopt.SGD(model(3).named_parameters(), lr=0.01, mom=0.9, wd=0.1), 2).state_dict()
+
+
+def _corrupt(kind, sd):
+    "A broken copy of `sd`, and the FQN its error must name. Breaks the last param where it can (catches partial loads)."
+    sd = copy.deepcopy(sd)
+    st, params = sd['state'], sd['param_groups'][0]['params']
+    if kind == 'unknown-in-state': st['ghost.weight'] = copy.deepcopy(st['0.weight']); return sd, 'ghost.weight'
+    if kind == 'unknown-in-groups':
+        params.append('ghost.bias'); st['ghost.bias'] = copy.deepcopy(st['2.bias']); return sd, 'ghost.bias'
+    if kind == 'missing': params.remove('2.bias'); del st['2.bias']; return sd, '2.bias'
+    if kind == 'missing-state': del st['2.bias']; return sd, '2.bias'
+    if kind == 'shape': st['2.bias']['grad_avg'] = torch.zeros(3); return sd, '2.bias'
+    if kind == 'dtype': st['2.bias']['sqr_avg'] = torch.ones(2, dtype=torch.int64); return sd, '2.bias'
+    if kind == 'not-a-tensor': st['2.bias']['sqr_avg'] = [1., 2.]; return sd, '2.bias'
+    if kind == 'other-algorithm': return _sgd_state_dict(), '0.weight'
+    if kind == 'empty-state': return {'state': {}, 'param_groups': sd['param_groups']}, '0.weight'
+    raise ValueError(kind)
+
+
+BAD = ['unknown-in-state', 'unknown-in-groups', 'missing', 'missing-state', 'shape', 'dtype', 'not-a-tensor',
+       'other-algorithm', 'empty-state']
+
+
+@pytest.mark.parametrize('fresh', [False, True], ids=['initialised', 'fresh'])
+@pytest.mark.parametrize('kind', BAD)
+def test_bad_load_names_culprit_and_changes_nothing(kind, fresh):
+    if fresh and kind in ('missing-state', 'empty-state'): pytest.skip('a fresh optimizer may load no state')
+    src = adam(0, lr=0.02)
+    src.set_hyper('eps', 1e-3)  # hypers differ too: a partial load would show in them
+    dst = adam(1, lr=0.01, steps=0 if fresh else 3)
+    sd, culprit = _corrupt(kind, src.state_dict())
+    before = snapshot(dst)
+    with pytest.raises((KeyError, ValueError, TypeError)) as e: dst.load_state_dict(sd)
+    assert culprit in str(e.value)
+    assert_same(snapshot(dst), before)
+    dst.load_state_dict(src.state_dict())  # and a good checkpoint still loads afterwards
+    assert_same(snapshot(dst), snapshot(src))
+
+
+def test_empty_state_loads_after_clear_state():
+    "The documented way to restart on purpose: clear_state() first, then a state-less checkpoint is fine."
+    dst = adam(1)
+    sd = {'state': {}, 'param_groups': adam(0, lr=0.02).state_dict()['param_groups']}
+    dst.clear_state()
+    dst.load_state_dict(sd)
+    assert dst.hypers[0]['lr'] == 0.02 and all(not dst.state[p] for p in dst.params)
+
+
+# -- dtype -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('dtype', [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize('initialised', [False, True], ids=['fresh', 'initialised'])
+def test_load_casts_to_param_dtype(dtype, initialised):
+    src = adam(0)
+    dst = adam(1, dtype=dtype, steps=2 if initialised else 0)
+    dst.load_state_dict(src.state_dict())
+    for p, q in zip(src.params, dst.params):
+        for k in ('grad_avg', 'sqr_avg'):
+            v = dst.state[q][k]
+            assert v.dtype == q.dtype == dtype and v.device == q.device
+            torch.testing.assert_close(v, src.state[p][k].to(dtype), rtol=0, atol=0)
+        assert dst.state[q]['step'] == 3 and type(dst.state[q]['step']) is int
+    if dtype == torch.float64:  # and the run goes on as the fp32 one does, to fp32 precision
+        with torch.no_grad():
+            for p, q in zip(src.params, dst.params): q.copy_(p)
+        run(src, 3, 100), run(dst, 3, 100)
+        for p, q in zip(src.params, dst.params): torch.testing.assert_close(q, p.double(), rtol=1e-5, atol=1e-6)
+
+
+# -- init_state --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, lr=0.1, wd=0.1), lambda ps: cbopt.SGD(ps, lr=0.1, mom=0.9, wd=0.1),
+                                  lambda ps: cbopt.RMSProp(ps, lr=0.1, mom=0.5)], ids=['adam', 'sgd', 'rmsprop'])
+def test_init_state(make):
+    m = model()
+    opt = make(m.named_parameters())
+    opt.state[opt.params[0]]['do_wd'] = False
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.init_state()
+    for p, b in zip(m.parameters(), before): torch.testing.assert_close(p, b, rtol=0, atol=0)
+    assert all(p.grad is None for p in m.parameters())
+    # the reference: what torch's DCP does to initialise lazy state (zero grads, lr=0, one step)
+    ref_m = model()
+    ref = make(ref_m.named_parameters())
+    ref.state[ref.params[0]]['do_wd'] = False
+    lrs = [g['lr'] for g in ref.param_groups]
+    ref.set_hyper('lr', 0.)
+    for p in ref.params: p.grad = torch.zeros_like(p)
+    ref.step()
+    ref.set_hyper('lr', lrs)
+    assert_same_state(opt, ref)
+    assert opt.state[opt.params[0]]['do_wd'] is False
+    run(opt, 2), run(ref, 2)  # existing state is kept by a second init_state
+    snap = snapshot(opt)
+    opt.init_state()
+    assert_same(snapshot(opt), snap)
+
+
+def test_init_state_then_load():
+    "An initialised optimizer (e.g. for a distributed checkpoint) loads a trained state_dict strictly."
+    src, dst = adam(0), cbopt.Adam(model(1).named_parameters(), lr=0.01, wd=0.1)
+    dst.init_state()
+    dst.load_state_dict(src.state_dict())
+    assert_same(snapshot(dst), snapshot(src))
+
+
+# -- other libraries' state_dicts (numerics are tested in the parity tests) ---------------------------------------
+@pytest.mark.parametrize('named', [False, True], ids=['ids', 'ids+param_names'])
+def test_load_torch_adamw(named):
+    tm = model(0)
+    topt = torch.optim.AdamW(tm.named_parameters() if named else tm.parameters(), lr=0.02, betas=(0.8, 0.95),
+                             weight_decay=0.1, eps=1e-6)
+    for i in range(3):
+        set_grads(list(tm.parameters()), i)
+        topt.step()
+    sd = topt.state_dict()
+    assert ('param_names' in sd['param_groups'][0]) == named and list(sd['state']) == [0, 1, 2, 3]
+    opt = cbopt.Adam(model(1).named_parameters())
+    opt.load_state_dict(sd)
+    assert opt.param_names == NAMES
+    for p, tp in zip(opt.params, tm.parameters()):
+        assert set(opt.state[p]) == ADAM_KEYS and opt.state[p]['step'] == 3
+        torch.testing.assert_close(opt.state[p]['grad_avg'], topt.state[tp]['exp_avg'], rtol=0, atol=0)
+        torch.testing.assert_close(opt.state[p]['sqr_avg'], topt.state[tp]['exp_avg_sq'], rtol=0, atol=0)
+    h = opt.hypers[0]
+    assert (h['lr'], h['mom'], h['sqr_mom'], h['wd'], h['eps']) == (0.02, 0.8, 0.95, 0.1, 1e-6)
+    assert opt.state_dict()['param_groups'][0]['params'] == NAMES
+
+
+def test_torch_param_names_must_match():
+    tm = nn.Sequential(model(0))  # names '0.0.weight', ... do not match ours
+    topt = torch.optim.AdamW(tm.named_parameters())
+    set_grads(list(tm.parameters()), 0)
+    topt.step()
+    opt = cbopt.Adam(model(1).named_parameters())
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="'0.0.weight'.*'0.weight'"): opt.load_state_dict(topt.state_dict())
+    assert_same(snapshot(opt), before)
+
+
+def test_load_fastai_optimizer():
+    fm = model(0)
+    fopt = FastaiAdam(list(fm.parameters()), lr=0.02, wd=0.1)
+    for i in range(3):
+        set_grads(list(fm.parameters()), i)
+        fopt.step()
+    opt = cbopt.Adam(model(1).named_parameters(), lr=0.5)
+    opt.load_state_dict(fopt.state_dict())
+    for p, fp in zip(opt.params, fm.parameters()):
+        assert set(opt.state[p]) == ADAM_KEYS and opt.state[p]['step'] == 3
+        torch.testing.assert_close(opt.state[p]['grad_avg'], fopt.state[fp]['grad_avg'], rtol=0, atol=0)
+    assert opt.hypers[0]['lr'] == 0.02 and opt.hypers[0]['wd'] == 0.1
+    assert list(opt.state_dict()['state']) == NAMES
