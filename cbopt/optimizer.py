@@ -199,8 +199,9 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- pickling (torch's __getstate__ keeps only defaults, state and param_groups) -------------------------------
     def __getstate__(self) -> dict:
-        "Everything but the hooks, which torch does not pickle either (they are often lambdas)."
-        return {k: v for k, v in self.__dict__.items() if not k.startswith('_optimizer_')}
+        """Everything but the hooks, which torch does not pickle either (they are often lambdas), and the `step` an LR
+        scheduler patches onto the instance (bound to this optimizer: a copy would step the original)."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith('_optimizer_') and k != 'step'}
 
     def __repr__(self) -> str:
         cbs = ', '.join(cb_name(cb) for cb in self.cbs)

@@ -246,3 +246,17 @@ def test_copy_steps_identically_and_independently(how):
         for k, v in opt.state[p].items():
             if torch.is_tensor(v): torch.testing.assert_close(v, twin.state[q][k], rtol=0, atol=0)
             else: assert v == twin.state[q][k]
+
+
+@pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
+def test_copy_with_a_scheduler_attached(how):
+    "LR schedulers patch `opt.step` on the instance, bound to the original: a copy must step itself (as torch's do)."
+    m = model()
+    opt = cbopt.SGD(m.parameters(), lr=0.1)
+    lr_scheduler.StepLR(opt, step_size=2)
+    twin = copy.deepcopy(opt) if how == 'deepcopy' else pickle.loads(pickle.dumps(opt))
+    _set_grads(twin, 0), _set_grads(opt, 0)
+    w, t = opt.params[0].detach().clone(), twin.params[0].detach().clone()
+    twin.step()
+    torch.testing.assert_close(opt.params[0], w, rtol=0, atol=0)
+    torch.testing.assert_close(twin.params[0], t - 0.1 * twin.params[0].grad)
