@@ -51,10 +51,14 @@ def _forms():
          ['enc.0', 'enc.1', 'enc.2', 'enc.3', 'head.0']),
         ('nested-deep', lambda e, h: {'m': {'enc': e.named_parameters(), 'head': h.named_parameters()}},
          [f'm.enc.{n}' for n in enc_names] + ['m.head.weight', 'm.head.bias']),
+        ('nested-pairs', lambda e, h: [('enc', e.named_parameters()), ('head', h.named_parameters())],
+         [f'enc.{n}' for n in enc_names] + ['head.weight', 'head.bias']),
+        ('single-tensor', lambda e, h: e[0].weight, ['0']),
     ]
 
 
 def _expected_tensors(form_id, enc, head):
+    if form_id == 'single-tensor': return [enc[0].weight]
     if form_id == 'nested-unnamed': return [*enc.parameters(), head.weight]
     if form_id.startswith('nested'): return [*enc.parameters(), *head.parameters()]
     return list(enc.parameters())

@@ -91,20 +91,30 @@ def test_state_dict_does_not_alias_the_optimizer():
 
 
 # -- resume ------------------------------------------------------------------------------------------------------
+def one_cycle(opt): return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=20)
+
+
 def test_resume_in_fresh_optimizer(tmp_path):
-    a = adam(0)
-    a.set_hyper('lr', 0.003)
+    "Save mid-way through a OneCycle schedule (lr and mom moving); a fresh optimizer and scheduler go on identically."
+    a = cbopt.Adam(model(0).named_parameters(), lr=0.01, wd=0.1)
     a.state[a.params[1]]['do_wd'] = False
-    torch.save(a.state_dict(), tmp_path / 'opt.pt')
+    sched_a = one_cycle(a)
+    for i in range(4): run(a, 1, i), sched_a.step()
+    torch.save({'opt': a.state_dict(), 'sched': sched_a.state_dict()}, tmp_path / 'ckpt.pt')
     m = model(7)  # another model, with a's weights loaded into it
     with torch.no_grad():
         for p, q in zip(m.parameters(), a.params): p.copy_(q)
     b = cbopt.Adam(m.named_parameters(), lr=0.5, wd=0.1)
     b.state[b.params[1]]['do_wd'] = False  # flags are the model's (fastai's Learner sets them), not the checkpoint's
-    b.load_state_dict(torch.load(tmp_path / 'opt.pt', weights_only=True))
-    assert b.hypers[0]['lr'] == 0.003
+    sched_b = one_cycle(b)
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    b.load_state_dict(ckpt['opt']), sched_b.load_state_dict(ckpt['sched'])
+    assert b.hypers == a.hypers
     assert_same_state(b, a)
-    run(a, 3, 100), run(b, 3, 100)
+    for i in range(100, 104):
+        run(a, 1, i), run(b, 1, i)
+        sched_a.step(), sched_b.step()
+        assert b.hypers == a.hypers
     assert_same_state(b, a)
 
 
