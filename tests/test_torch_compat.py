@@ -97,6 +97,18 @@ def test_lr_schedulers_match_torch(name, algo):
     for p, q in zip(ours_m.parameters(), ref_m.parameters()): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_reduce_lr_on_plateau_matches_torch():
+    ours_m, ours, ref_m, ref = make_pair('sgd')
+    s_ours, s_ref = lr_scheduler.ReduceLROnPlateau(ours, patience=1, factor=0.5), \
+        lr_scheduler.ReduceLROnPlateau(ref, patience=1, factor=0.5)
+    for i, metric in enumerate([1., .9, .9, .9, .8, .8, .8, .8]):
+        train_step(ours_m, ours, i), train_step(ref_m, ref, i)
+        s_ours.step(metric), s_ref.step(metric)
+        assert [h['lr'] for h in ours.hypers] == [g['lr'] for g in ref.param_groups]
+    assert ours.hypers[0]['lr'] < 0.1 / 2  # it did reduce
+    for p, q in zip(ours_m.parameters(), ref_m.parameters()): torch.testing.assert_close(p, q)
+
+
 # -- GradScaler --------------------------------------------------------------------------------------------------
 def test_grad_scaler_matches_unscaled_run():
     scaled_m, plain_m = model(), model()
