@@ -196,6 +196,17 @@ def test_load_casts_to_param_dtype(dtype, initialised):
         for p, q in zip(src.params, dst.params): torch.testing.assert_close(q, p.double(), rtol=1e-5, atol=1e-6)
 
 
+def test_load_moves_to_param_device():
+    "The only other device on a CPU-only machine is `meta`: a CPU checkpoint's tensors follow the params there."
+    src = adam(0)
+    dst = cbopt.Adam(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to('meta').named_parameters())
+    dst.load_state_dict(src.state_dict())
+    for p, q in zip(src.params, dst.params):
+        assert {k: (v.device.type, v.shape) for k, v in dst.state[q].items() if torch.is_tensor(v)} == \
+            {k: ('meta', p.shape) for k in ('grad_avg', 'sqr_avg')}
+        assert dst.state[q]['step'] == 3
+
+
 # -- init_state --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, lr=0.1, wd=0.1), lambda ps: cbopt.SGD(ps, lr=0.1, mom=0.9, wd=0.1),
                                   lambda ps: cbopt.RMSProp(ps, lr=0.1, mom=0.5)], ids=['adam', 'sgd', 'rmsprop'])
