@@ -1,0 +1,419 @@
+"""`python -m cbopt bench`: time cbopt's backends against torch.optim and fastai, on CPU in fp32.
+
+Timings on a busy machine drift, so every row is timed in the same process as its references, interleaved: round
+`r` times one step of every contender (in an order rotated each round), and a ratio is the median of the per-round
+ratios. The step time is the median over `--steps` rounds, after warm-up steps that create the state (and compile).
+
+1. GPT-2-small's 148 params (124.4M): cbopt's Adam per backend vs torch AdamW (fused, foreach, for-loop) and fastai.
+2. 1,000 params of 64x64, the same contenders: per-param overhead dominates.
+3. Lion, written here only as cbopt callbacks (torch has no kernel for it), on the GPT-2 set: backends vs the loop,
+   and the first step (state creation and compilation) on its own.
+4. Peak memory a step adds beyond params, grads and state, each optimizer in a fresh subprocess.
+5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to a `copy_` of a large
+   tensor timed in the same rounds (the physical limit).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+import cbopt
+
+__all__ = ['gpt2_shapes', 'grid_shapes', 'make_params', 'lion_step', 'lion_avg', 'available_backends', 'measure', 'main']
+
+BACKENDS = ('fused', 'foreach', 'loop')
+ADAM = dict(lr=1e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
+LION = dict(lr=1e-4, mom=0.9, sqr_mom=0.99, wd=0.1)
+# fp32 bytes per element the algorithm must move: param read+write, grad read, and each state buffer read+write
+ADAM_BYTES, LION_BYTES = 4 * (2 + 1 + 2 + 2), 4 * (2 + 1 + 2)
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+# -- parameter sets -------------------------------------------------------------------------------------------------
+def gpt2_shapes(vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12) -> Shapes:
+    "GPT-2's params in model order (defaults: GPT-2 small, 148 tensors, 124.4M params; Linear-style weight shapes)."
+    block = [('ln_1.weight', (d,)), ('ln_1.bias', (d,)), ('attn.c_attn.weight', (3 * d, d)), ('attn.c_attn.bias', (3 * d,)),
+             ('attn.c_proj.weight', (d, d)), ('attn.c_proj.bias', (d,)), ('ln_2.weight', (d,)), ('ln_2.bias', (d,)),
+             ('mlp.c_fc.weight', (4 * d, d)), ('mlp.c_fc.bias', (4 * d,)), ('mlp.c_proj.weight', (d, 4 * d)),
+             ('mlp.c_proj.bias', (d,))]
+    return [('wte.weight', (vocab, d)), ('wpe.weight', (ctx, d)),
+            *[(f'h.{i}.{n}', s) for i in range(layers) for n, s in block], ('ln_f.weight', (d,)), ('ln_f.bias', (d,))]
+
+
+def grid_shapes(n: int = 1000, size: int = 64) -> Shapes: return [(f'w{i}', (size, size)) for i in range(n)]
+
+
+def param_sets(quick: bool) -> dict[str, Shapes]:
+    """The param sets of the Adam cases and of Lion's. `quick` shrinks them so that a run takes seconds; its Lion set
+    has 4 tensors, the numerics check's size, so that the compiled chain is compiled once."""
+    if quick:
+        gpt2 = gpt2_shapes(vocab=512, ctx=64, d=32, layers=2)
+        return {'gpt2': gpt2, 'grid': grid_shapes(50, 16), 'lion': gpt2[:4]}
+    return {'gpt2': gpt2_shapes(), 'grid': grid_shapes(), 'lion': gpt2_shapes()}
+
+
+def make_params(shapes: Shapes, seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+    "Named fp32 params with a fixed random grad each: the step needs no backward, and every step sees the same grads."
+    g = torch.Generator().manual_seed(seed)
+    res = []
+    for name, shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
+        p.grad = torch.randn(shape, generator=g) * 1e-3
+        res.append((name, p))
+    return res
+
+
+def numel(ps) -> int: return sum(p.numel() for _, p in ps)
+
+
+# -- Lion, as cbopt callbacks (Chen et al. 2023) ----------------------------------------------------------------------
+def lion_step(p, lr, mom, grad_avg=None, **kwargs):
+    "Lion's update: `p -= lr * sign(lerp(grad_avg, grad, 1-mom))` (`mom` is beta1)."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.grad.data)
+    p.data.add_(grad_avg.lerp(p.grad.data, 1 - mom).sign_(), alpha=-lr)
+    return {'grad_avg': grad_avg}
+lion_step.defaults = dict(mom=0.9)
+
+
+def lion_avg(p, sqr_mom, grad_avg, **kwargs):
+    "Lion's momentum, updated after the step with its own rate: `grad_avg = lerp(grad_avg, grad, 1-sqr_mom)` (beta2)."
+    grad_avg.lerp_(p.grad.data, 1 - sqr_mom)
+lion_avg.defaults = dict(sqr_mom=0.99)
+
+
+LION_CBS = [cbopt.weight_decay, lion_step, lion_avg]  # decoupled wd first: `p -= lr*wd*p` uses the old p
+
+
+# -- contenders: name -> factory(named params) -> step function --------------------------------------------------------
+@cache
+def available_backends() -> tuple[str, ...]:
+    "The backends this cbopt offers, tried on a one-param Adam; a cbopt without a `backend` argument has the loop only."
+    ps = [torch.nn.Parameter(torch.zeros(2))]
+    try: cbopt.Adam(ps, backend='loop')
+    except TypeError: return ('loop',)
+    res = []
+    for b in BACKENDS:
+        try: cbopt.Adam(ps, backend=b)
+        except (TypeError, ValueError, NotImplementedError, RuntimeError): continue
+        res.append(b)
+    return tuple(res)
+
+
+def backend_kw(b: str) -> dict: return {} if available_backends() == ('loop',) and b == 'loop' else {'backend': b}
+
+
+def adam_contenders(backends: list[str]) -> dict[str, Callable]:
+    "cbopt's Adam per backend, torch's AdamW with the same numerics in its three modes, and fastai's Adam."
+    kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
+    torch_adamw = lambda **mode: lambda ps: torch.optim.AdamW([p for _, p in ps], **kw, **mode).step
+    cb = lambda b: lambda ps: cbopt.Adam(ps, **ADAM, **backend_kw(b)).step
+    return {**{f'cbopt {b}': cb(b) for b in backends},
+            'torch fused': torch_adamw(fused=True), 'torch foreach': torch_adamw(foreach=True),
+            'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
+
+
+def fastai_adam(ps) -> Callable[[], None]:
+    from fastai.optimizer import Adam  # lazily: only the fastai rows need it
+    return Adam([p for _, p in ps], **ADAM).step
+
+
+def lion_contenders(backends: list[str]) -> dict[str, Callable]:
+    return {f'cbopt {b}': (lambda b: lambda ps: cbopt.Optimizer(ps, LION_CBS, **LION, **backend_kw(b)).step)(b)
+            for b in backends}
+
+
+def copy_contender(n: int) -> Callable[[], None]:
+    "A `copy_` between two fp32 tensors of `n` elements: moves 8n bytes, the machine's streaming limit."
+    src, dst = torch.randn(n), torch.empty(n)
+    return lambda: dst.copy_(src)
+
+
+def numerics_gap(contenders: dict[str, Callable], ref: str, shapes: Shapes, steps: int = 3) -> dict[str, float]:
+    """Largest |param - ref's param| after `steps` steps from the same start, per contender: the rows of a table only
+    compare if they compute the same thing. Large sets are checked on three tiny tensors instead."""
+    if sum(math.prod(s) for _, s in shapes) > 1_000_000: shapes = [('a', (7, 5)), ('b', (5,)), ('c', (3, 4, 2)), ('d', (9,))]
+    finals = {}
+    for name, factory in contenders.items():
+        ps = make_params(shapes, seed=1)
+        step = factory(ps)
+        for _ in range(steps): step()
+        finals[name] = torch.cat([p.detach().flatten() for _, p in ps])
+    return {n: (f - finals[ref]).abs().max().item() for n, f in finals.items()}
+
+
+# -- timing ---------------------------------------------------------------------------------------------------------
+class Progress:
+    "tqdm when it is installed, else a line every 10%."
+    def __init__(self, total: int):
+        try:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, unit='step', file=sys.stderr, dynamic_ncols=True)
+        except ImportError: self.bar, self.total, self.done, self.shown = None, total, 0, -1
+
+    def set(self, desc: str) -> None:
+        if self.bar is not None: self.bar.set_description(desc)
+        else: print(f'[bench] {desc}', file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None: return self.bar.update(n)
+        self.done += n
+        pct = 10 * self.done // max(self.total, 1)
+        if pct != self.shown: print(f'[bench] {10 * pct}%', file=sys.stderr, flush=True)
+        self.shown = pct
+
+    def close(self) -> None:
+        if self.bar is not None: self.bar.close()
+
+
+def timed(f: Callable) -> float:
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+def measure(steps: dict[str, Callable[[], None]], rounds: int, warmup: int, progress: Progress | None = None) -> dict:
+    """Time each step function: `warmup` calls on their own (they create the state, and may compile), then `rounds`
+    interleaved rounds of one call each, in an order rotated every round. A step that raises is recorded as an
+    error and dropped from the rounds."""
+    res, live = {}, {}
+    for name, step in steps.items():
+        try:
+            res[name] = {'warmup_s': [timed(step) for _ in range(warmup)], 'times': []}
+            live[name] = step
+        except Exception as e: res[name] = {'error': f'{type(e).__name__}: {e}'}
+        if progress: progress.update(warmup + rounds)
+    names = list(live)
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]: res[name]['times'].append(timed(live[name]))
+    finally: gc.enable()
+    for name in names:
+        r = res[name]
+        r['median_s'] = statistics.median(r['times'])
+        r['first_s'] = r['warmup_s'][0]
+        r['warmup_extra_s'] = sum(r['warmup_s']) - warmup * r['median_s']  # state creation and compilation
+    return res
+
+
+def paired(res: dict, a: str, b: str) -> float | None:
+    "Median over rounds of `a`'s step time / `b`'s in the same round (None when either failed)."
+    if 'median_s' not in res.get(a, {}) or 'median_s' not in res.get(b, {}): return None
+    return statistics.median(x / y for x, y in zip(res[a]['times'], res[b]['times']))
+
+
+# -- peak memory (in a fresh subprocess per optimizer) -----------------------------------------------------------------
+def _status_kb(key: str) -> int:
+    for line in Path('/proc/self/status').read_text().splitlines():
+        if line.startswith(key + ':'): return int(line.split()[1])
+    raise KeyError(key)
+
+
+def pin_mmap_threshold(nbytes: int = 1 << 16) -> None:
+    """Make glibc serve every allocation of `nbytes` or more by mmap and unmap it on free (`mallopt(M_MMAP_THRESHOLD)`),
+    so freed temporaries never stay in the heap, where a later step could reuse them unseen by the peak RSS."""
+    import ctypes
+    ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; pinning it also stops glibc from raising it
+
+
+def step_peak_memory(names: list[str], quick: bool, backends: list[str]) -> dict[str, float]:
+    """For each optimizer: build the GPT-2 set and the optimizer, take 2 steps (the state now exists), reset the peak
+    RSS (`5 > /proc/self/clear_refs`), take one step, and return the peak minus the RSS before it, in % of param bytes."""
+    pin_mmap_threshold()
+    out = {}
+    for name in names:
+        ps = make_params(param_sets(quick)['gpt2'])
+        step = adam_contenders(backends)[name](ps)
+        step(), step()
+        gc.collect()
+        Path('/proc/self/clear_refs').write_text('5')
+        before = _status_kb('VmRSS')
+        step()
+        out[name] = (_status_kb('VmHWM') - before) * 1024 / (4 * numel(ps)) * 100
+        del ps, step
+        gc.collect()
+    return out
+
+
+def peak_memory(names: list[str], quick: bool, backends: list[str], progress: Progress | None = None) -> dict:
+    "`step_peak_memory` of each optimizer in a fresh subprocess (all in this process in quick runs, to save time)."
+    if quick:
+        res = step_peak_memory(names, quick, backends)
+        if progress: progress.update(len(names))
+        return res
+    res = {}
+    for name in names:
+        code = f'import json, cbopt.bench as b; print(json.dumps(b.step_peak_memory([{name!r}], False, {backends!r})))'
+        run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+        res[name] = json.loads(run.stdout.strip().splitlines()[-1])[name] if run.returncode == 0 else None
+        if progress: progress.update()
+    return res
+
+
+# -- reporting ------------------------------------------------------------------------------------------------------
+def machine() -> dict:
+    cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
+                if l.startswith('model name')), platform.processor())
+    import fastai
+    return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                fastai=fastai.__version__, cbopt=cbopt.__version__, python=platform.python_version(),
+                date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+
+
+def fmt(v, spec: str = '.2f', suffix: str = '') -> str: return '-' if v is None else f'{v:{spec}}{suffix}'
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    "A markdown table (readable as it is in a terminal)."
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: '| ' + ' | '.join(str(c).ljust(w) for c, w in zip(cells, widths)) + ' |'
+    return '\n'.join([line(header), '|' + '|'.join('-' * (w + 2) for w in widths) + '|', *map(line, rows)])
+
+
+def adam_rows(case: dict, copy_gbs: float | None, mem: dict) -> tuple[list[str], list[list[str]]]:
+    res, nbytes = case['results'], case['numel'] * ADAM_BYTES
+    header = ['optimizer', 'step ms', '/ torch fused', '/ torch foreach', '/ torch loop', 'fastai speedup',
+              'GB/s', '% of copy', 'peak mem % params', 'first step s']
+    rows = []
+    for name, r in res.items():
+        if 'error' in r:
+            rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
+            continue
+        gbs = nbytes / r['median_s'] / 1e9
+        rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), *[fmt(paired(res, name, ref), '.2f', 'x') for ref in
+                     ('torch fused', 'torch foreach', 'torch loop')], fmt(paired(res, 'fastai', name), '.2f', 'x'),
+                     fmt(gbs, '.1f'), fmt(gbs / copy_gbs * 100 if copy_gbs else None, '.0f', '%'),
+                     fmt(mem.get(name), '.1f', '%'), fmt(r['first_s'], '.2f')])
+    return header, rows
+
+
+def lion_rows(case: dict, copy_gbs: float | None) -> tuple[list[str], list[list[str]]]:
+    res, nbytes = case['results'], case['numel'] * LION_BYTES
+    header = ['optimizer', 'step ms', 'speedup vs loop', 'GB/s', '% of copy', 'first step s', 'warm-up extra s']
+    rows = []
+    for name, r in res.items():
+        if 'error' in r:
+            rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
+            continue
+        gbs = nbytes / r['median_s'] / 1e9
+        rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), fmt(paired(res, 'cbopt loop', name), '.2f', 'x'),
+                     fmt(gbs, '.1f'), fmt(gbs / copy_gbs * 100 if copy_gbs else None, '.0f', '%'),
+                     fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
+    return header, rows
+
+
+def report(results: dict) -> str:
+    "The tables of a run, as markdown."
+    m, cases, copy_gbs = results['machine'], results['cases'], results['copy_GBps']
+    out = [f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
+           f"fastai {m['fastai']}, Python {m['python']}; {m['date']}. fp32, median of {results['rounds']} interleaved "
+           f"steps; `copy_` of a large tensor: {fmt(copy_gbs, '.1f')} GB/s (read + write)."]
+    titles = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
+              'lion': 'Lion (cbopt callbacks only) on the GPT-2 set'}
+    for key, case in cases.items():
+        header, rows = (lion_rows(case, copy_gbs) if key == 'lion' else
+                        adam_rows(case, copy_gbs, results['peak_mem_pct'] if key == 'gpt2' else {}))
+        gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
+        note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
+        shape = f"{case['tensors']:,} tensors, {case['numel']:,} params"
+        out.append(f"**{titles[key]}** ({shape})\n\n{table(header, rows)}{note}")
+    return '\n\n'.join(out)
+
+
+def plot(results: dict, path: Path) -> None:
+    "Bar charts of the step times per case, and of the peak memory per optimizer."
+    import matplotlib  # lazily: `import cbopt` never needs matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axs = plt.subplots(2, 2, figsize=(13, 8))
+    titles = {'gpt2': 'Adam, GPT-2 set', 'grid': 'Adam, grid of small tensors', 'lion': 'Lion (callbacks), GPT-2 set'}
+    for ax, (key, case) in zip(axs.flat, results['cases'].items()):
+        ok = {n: r for n, r in case['results'].items() if 'median_s' in r}
+        bars = ax.barh(list(ok), [r['median_s'] * 1e3 for r in ok.values()],
+                       color=['tab:blue' if n.startswith('cbopt') else 'tab:gray' for n in ok])
+        ax.bar_label(bars, fmt='%.1f', padding=2, fontsize=8)
+        ax.invert_yaxis()
+        ax.set(title=f"{titles[key]}: {case['tensors']:,} tensors, {case['numel'] / 1e6:.1f}M params",
+               xlabel='ms per step (median)')
+    mem = {n: v for n, v in results['peak_mem_pct'].items() if v is not None}
+    ax = axs.flat[3]
+    bars = ax.barh(list(mem), list(mem.values()), color=['tab:blue' if n.startswith('cbopt') else 'tab:gray' for n in mem])
+    ax.bar_label(bars, fmt='%.1f%%', padding=2, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(title='Adam, GPT-2 set: peak memory a step adds', xlabel='% of param bytes')
+    m = results['machine']
+    fig.suptitle(f"cbopt bench{' (quick: tiny sizes)' if results['quick'] else ''}: {m['cpu']}, {m['cores']} cores, "
+                 f"torch {m['torch']}, fp32 (blue: cbopt)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------------------------------------
+def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmup: int, progress: Progress,
+             extra: dict[str, Callable[[], None]] | None = None, ref: str = 'torch fused', tol: float = 1e-6) -> dict:
+    "Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `extra` step functions."
+    gap = numerics_gap(contenders, ref, shapes)
+    ps = make_params(shapes)
+    steps = {**{n: f(ps) for n, f in contenders.items()}, **(extra or {})}
+    res = measure(steps, rounds, warmup, progress)
+    del steps, ps
+    gc.collect()
+    return {'numel': sum(math.prod(s) for _, s in shapes),
+            'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    "Run the benchmark; print the tables, write bench.json and bench.png to `--out`; return the results."
+    parser = argparse.ArgumentParser(prog='python -m cbopt bench', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out', default='bench_results', help='directory for bench.json and bench.png')
+    parser.add_argument('--steps', type=int, default=None, help='timed interleaved rounds (default 10; 3 with --quick)')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed steps before the rounds, the first included')
+    parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
+    args = parser.parse_args(argv)
+    rounds = args.steps or (3 if args.quick else 10)
+    warmup = max(args.warmup, 1)
+    torch.manual_seed(0)
+    sets, backends = param_sets(args.quick), list(available_backends())
+    adam, lion = adam_contenders(backends), lion_contenders(backends)
+    copy_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
+    per = warmup + rounds
+    progress = Progress(per * (2 * len(adam) + 1 + len(lion)) + len(adam))
+    print(f"cbopt backends: {', '.join(backends)}", flush=True)
+    cases = {}
+    progress.set('Adam, GPT-2 small')
+    cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra={'copy_': copy_contender(copy_n)})
+    copy_res = cases['gpt2']['results'].pop('copy_')
+    copy_gbs = 8 * copy_n / copy_res['median_s'] / 1e9 if 'median_s' in copy_res else None
+    progress.set('Adam, 64x64 grid')
+    cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
+    progress.set('Lion, GPT-2 small')
+    cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
+    progress.set('peak memory')
+    mem = peak_memory(list(adam), args.quick, backends, progress)
+    progress.close()
+    results = dict(machine=machine(), quick=args.quick, rounds=rounds, warmup=warmup, backends=backends,
+                   copy_GBps=copy_gbs, copy={'numel': copy_n, **copy_res}, peak_mem_pct=mem, cases=cases)
+    text = report(results)
+    print('\n' + text, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'bench.json').write_text(json.dumps(results, indent=1))
+    (out / 'bench.md').write_text(text + '\n')
+    plot(results, out / 'bench.png')
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    return results

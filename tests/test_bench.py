@@ -1,0 +1,73 @@
+"`python -m cbopt bench --quick` runs end to end in a fresh process and writes its table, JSON and PNG (no timings checked)."
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cbopt
+from cbopt import bench
+
+
+@pytest.fixture(scope='module')
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    env = {**os.environ, 'MPLBACKEND': 'Agg'}
+    res = subprocess.run([sys.executable, '-m', 'cbopt', 'bench', '--quick', '--out', str(out)], capture_output=True,
+                         text=True, timeout=600, cwd=out, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout, out
+
+
+def test_table_json_png(quick_run):
+    stdout, out = quick_run
+    results = json.loads((out / 'bench.json').read_text())
+    assert set(results['cases']) == {'gpt2', 'grid', 'lion'}
+    names = [f'cbopt {b}' for b in results['backends']]
+    assert 'loop' in results['backends']
+    assert list(results['cases']['gpt2']['results']) == [*names, 'torch fused', 'torch foreach', 'torch loop', 'fastai']
+    assert list(results['cases']['lion']['results']) == names
+    for case in results['cases'].values():
+        for name, r in case['results'].items():
+            assert 'error' not in r, (name, r)
+            assert len(r['times']) == results['rounds'] and r['median_s'] > 0
+            assert f'| {name} ' in stdout  # a row of the printed table
+    assert set(results['peak_mem_pct']) == set(results['cases']['gpt2']['results'])
+    assert (out / 'bench.md').read_text().strip() in stdout
+    png = (out / 'bench.png').read_bytes()
+    assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
+
+
+def test_rows_compute_the_same_thing(quick_run):
+    "Every row of a case matches its reference (torch's fused AdamW; Lion's loop) after 3 steps from the same start."
+    results = json.loads((quick_run[1] / 'bench.json').read_text())
+    for key, case in results['cases'].items():
+        assert max(case['numerics_gap'].values()) <= case['tolerance'], (key, case['numerics_gap'])
+        assert 'NUMERICS DIFFER' not in quick_run[0]
+
+
+def test_gpt2_small_shapes():
+    "GPT-2 small as published: 148 tensors, 124,439,808 params, token embedding 50257x768 first."
+    shapes = bench.gpt2_shapes()
+    assert len(shapes) == 148 and shapes[0] == ('wte.weight', (50257, 768))
+    assert sum(torch.Size(s).numel() for _, s in shapes) == 124_439_808
+
+
+def test_lion_callbacks_follow_the_paper():
+    "The Lion chain, step by step against the update written out directly (Chen et al. 2023, Algorithm 2)."
+    ps = bench.make_params([('a', (6, 5)), ('b', (7,))], seed=3)
+    ref = [p.detach().clone() for _, p in ps]
+    avg = [torch.zeros_like(p) for p in ref]
+    h = dict(lr=0.01, mom=0.8, sqr_mom=0.95, wd=0.5)
+    opt = cbopt.Optimizer(ps, bench.LION_CBS, **h)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        for (_, p), r, m in zip(ps, ref, avg):
+            p.grad = torch.randn(p.shape, generator=g)
+            update = torch.sign(h['mom'] * m + (1 - h['mom']) * p.grad)
+            r -= h['lr'] * (update + h['wd'] * r)
+            m.copy_(h['sqr_mom'] * m + (1 - h['sqr_mom']) * p.grad)
+        opt.step()
+        for (_, p), r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
