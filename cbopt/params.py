@@ -60,9 +60,10 @@ def _split_groups(params: Any) -> list[dict]:
     if all(is_group_dict(o) for o in items): return [dict(o) for o in items]
     if any(is_group_dict(o) for o in items):
         raise TypeError("params mixes group dicts with other entries: give either all group dicts or none")
-    # fastai splitter style: a list of lists (each inner list one group); a (name, tensor) tuple is not a group
-    if all(isinstance(o, (list, tuple)) and not _is_named_pair(o) for o in items):
-        return [{'params': list(o)} for o in items]
+    # fastai splitter style: a list whose entries are collections of params (lists, name->param dicts,
+    # named_parameters() generators) gives one group per entry; a (name, tensor) pair is a param, not a group
+    if all(not isinstance(o, torch.Tensor) and not _is_named_pair(o) for o in items):
+        return [{'params': o if isinstance(o, Mapping) else list(o)} for o in items]
     return [{'params': items}]
 
 

@@ -231,9 +231,11 @@ def test_forms_property(spec, top, lr, mom, wd):
     for p, q in zip(opt.params, ref.params): torch.testing.assert_close(opt.state[p]['grad_avg'], ref.state[q]['grad_avg'])
 
 
-@pytest.mark.xfail(strict=True, reason="core: a top-level list of name->param dicts is merged into ONE group (lr=slice "
-                   "then silently gives every param the top lr); lists of lists and torch's list of dicts are groups")
 def test_list_of_named_dicts_is_a_list_of_groups():
     enc, head = models()
     opt = Optimizer([{'enc': enc.named_parameters()}, {'head': head.named_parameters()}], CBS, lr=slice(1e-3, 1e-1))
     assert [len(g['params']) for g in opt.param_groups] == [4, 2]
+    assert opt.param_names == [f'enc.{n}' for n, _ in enc.named_parameters()] + [f'head.{n}' for n, _ in head.named_parameters()]
+    assert [h['lr'] for h in opt.hypers] == pytest.approx([1e-3, 1e-1])
+    gens = Optimizer([enc.named_parameters(), head.named_parameters()], CBS, lr=slice(1e-3, 1e-1))
+    assert [len(g['params']) for g in gens.param_groups] == [4, 2]
