@@ -148,18 +148,21 @@ def probe(cbs, b: Bucket, hyper: Mapping) -> Callable | None:
     return None
 
 
-def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> None:
-    "Run the chain once on bucket `b`; per param (with a one-time warning) if a callback cannot run bucket-wise."
+def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
+    """Run the chain once on bucket `b`, or per param (with a one-time warning) if a callback cannot run bucket-wise.
+    Returns whether it ran bucket-wise."""
     bad = probe(opt.cbs, b, hyper)
     if bad is not None:
         name = _optimizer.cb_name(bad)
         _warn_once(opt, ('fallback', name), f"callback {name!r} cannot run on a whole bucket of params (e.g. Python "
                    "control flow on a tensor value); its buckets run param by param")
-        return _loop_bucket(opt, b, hyper)
+        _loop_bucket(opt, b, hyper)
+        return False
     p, state = stand_in(b), bucket_state(b)
     before = dict(state)
     _run_chain(opt.cbs, p, state, hyper)
     write_state(b, before, state)
+    return True
 
 
 def step_foreach(opt: Optimizer) -> None:
@@ -191,7 +194,7 @@ def adamw_kernel(opt, b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
     st, p0 = b.states[0], b.params[0]
     if chain_sig(opt.cbs) != _adamw_sig() or set(st) - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
     if 'dampening' in hyper or not _is_float(hyper['lr'], hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
-    if p0.device.type not in ('cpu', 'cuda') or not p0.is_floating_point(): return None
+    if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
     if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
     if any(p.grad.dtype != p0.dtype for p in b.params): return None
     def run():
@@ -216,58 +219,95 @@ def torch_kernel(opt, b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
 
 
 # -- fused: the chain compiled over a bucket -----------------------------------------------------------------------
-_COMPILED: dict = {}  # (chain_sig, layout) -> compiled function, shared by every optimizer in the process
+class _ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
+    """Inside the compiled chain, turn `alpha=`/`value=`/`weight=` numbers into tensor products: torch.compile keeps
+    a Python number symbolic (no recompile when lr or step change) only where it meets a tensor, and would otherwise
+    bake it into the graph and recompile at every new value."""
+    ALPHA = {torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_, torch.add, torch.sub}
+    VALUE = {torch.Tensor.addcmul, torch.Tensor.addcmul_, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.addcmul,
+             torch.addcdiv}
+    LERP = {torch.Tensor.lerp: torch.Tensor.add, torch.Tensor.lerp_: torch.Tensor.add_, torch.lerp: torch.add}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self.ALPHA and 'alpha' in kwargs: args = (args[0], args[1] * kwargs.pop('alpha'), *args[2:])
+        elif func in self.VALUE and 'value' in kwargs: args = (args[0], args[1] * kwargs.pop('value'), *args[2:])
+        elif func in self.LERP and len(args) == 3 and not isinstance(args[2], torch.Tensor):
+            x, end, w = args  # x + w * (end - x)
+            return self.LERP[func](x, (end - x) * w)
+        return func(*args, **kwargs)
+
+
+_COMPILED: dict = {}  # (chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
+CHUNK = 32            # params per compiled call: bounds compile time; chunks of the same ranks share one compile
+COMPILER = 'inductor' # torch.compile backend of the fused runner ('aot_eager' checks the tracing without codegen)
 
 
 def _fused_chain_fn(cbs, name: str) -> Callable:
     "The chain over a list of params as one function, under a code object of its own (torch.compile caches per code)."
     def fused_chain(params, tstates, pystate, hyper):
         new_t, new_py = [], {}
-        for p, ts in zip(params, tstates):  # unrolled when compiled: one graph for the bucket, fused by inductor
-            st = {**pystate, **ts}
-            _run_chain(cbs, p, st, hyper)
-            new_t.append({k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v is not ts.get(k)})
-            new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        with _ScalarArgsAsTensors():
+            for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
+                st = {**pystate, **ts}
+                _run_chain(cbs, p, st, hyper)
+                new_t.append({k: v for k, v in st.items() if isinstance(v, torch.Tensor) and v is not ts.get(k)})
+                new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
         return new_t, new_py
     code = fused_chain.__code__.replace(co_name=name)
     return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
 
 
-def compiled_chain(opt, b: Bucket) -> Callable:
-    "The chain compiled for `b`'s layout (dynamic shapes and Python numbers: lr or step changes do not recompile)."
-    key = (chain_sig(opt.cbs), b.layout)
+def compiled_chain(opt, b: Bucket, idx: list) -> Callable:
+    """The chain compiled for the params `idx` of `b`, with dynamic shapes and Python numbers: a change of lr or step
+    does not recompile. Compiled once per chain and layout (device, dtype, ranks, state keys) in this process."""
+    p0 = b.params[idx[0]]
+    key = (chain_sig(opt.cbs), p0.device, p0.dtype, tuple(b.params[i].ndim for i in idx), tuple(b.states[idx[0]]))
+    key = (COMPILER, *key)
     if key not in _COMPILED:
         fn = _fused_chain_fn(opt.cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
-        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
+        _COMPILED[key] = torch.compile(fn, backend=COMPILER, fullgraph=True, dynamic=True)
     return _COMPILED[key]
 
 
 def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
-    """Step `b` with the compiled chain. Compilation traces the chain before running anything, so a chain that
-    cannot be compiled raises before any tensor is touched."""
+    """Step `b` with the compiled chain, in chunks of `CHUNK` params of the same rank. Compilation traces the chain
+    before running anything, so a chain that cannot compile raises before its first chunk is touched."""
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
-    tstates = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in b.states]
-    new_t, new_py = compiled_chain(opt, b)(b.params, tstates, pystate, dict(hyper))
-    for s, nt in zip(b.states, new_t):
-        s.update(nt)
-        s.update(new_py)
+    order = sorted(range(len(b.params)), key=lambda i: b.params[i].ndim)
+    chunks = [order[j:j + CHUNK] for j in range(0, len(order), CHUNK)]
+    for j, idx in enumerate(chunks):
+        tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
+        try: new_t, new_py = compiled_chain(opt, b, idx)([b.params[i] for i in idx], tstates, pystate, dict(hyper))
+        except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
+            rest = [i for c in chunks[j:] for i in c]
+            raise _CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
+        for i, nt in zip(idx, new_t):
+            b.states[i].update(nt)
+            b.states[i].update(new_py)
+
+
+class _CompileFailed(Exception):
+    def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
 
 
 def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     """One pass over `b`: torch's kernel if one matches; else the compiled chain, once a first eager (foreach) step
     of this layout has created the state; foreach (warning once) if the chain does not compile."""
     if (kernel := torch_kernel(opt, b, hyper)) is not None: return kernel()
-    rt, layout = _runtime(opt), b.layout
+    rt, layout = _runtime(opt), (id(b.group), b.layout)
     if layout in rt.no_compile or layout not in rt.seen:
-        foreach_bucket(opt, b, hyper)
-        rt.seen.update((layout, b.layout))  # the layout after the step is state-complete: compile it next time
+        after = (id(b.group), b.layout) if foreach_bucket(opt, b, hyper) else None
+        rt.seen.add(layout)
+        if after is None: rt.no_compile.add(layout)  # a chain that cannot run bucket-wise cannot compile either
+        else: rt.seen.add(after)  # the layout after the step is state-complete: compile it next time
         return
     try: compiled_bucket(opt, b, hyper)
-    except Exception as e:
+    except _CompileFailed as e:
         rt.no_compile.add(layout)
-        _warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e).__name__}: {e}); "
-                   "running it with the foreach backend")
-        foreach_bucket(opt, b, hyper)
+        _warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e.err).__name__}: "
+                   f"{e.err}); running it with the foreach backend")
+        foreach_bucket(opt, e.rest, hyper)
 
 
 def step_fused(opt: Optimizer) -> None:
