@@ -6,6 +6,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -40,17 +41,25 @@ def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
         if isinstance(new, dict): state.update(new)
 
 
-def find_learner_model() -> torch.nn.Module | None:
-    "The model of the fastai Learner whose `create_opt` is building this optimizer, if any (fastai is never imported)."
-    learner_mod = sys.modules.get('fastai.learner')
-    if learner_mod is None: return None
+def fastai_frame(fn: str, depth: int = 10) -> FrameType | None:
+    """The frame of fastai.learner's `fn` (`create_opt`, `load_model`, ...) if it is among our `depth` callers.
+    fastai calls an `opt_func` and `opt.load_state_dict` with no hint of who calls, so we look up the stack;
+    this never imports fastai (no frame can be fastai's unless fastai.learner is already imported)."""
+    mod = sys.modules.get('fastai.learner')
+    if mod is None: return None
     frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None: break
-        obj = frame.f_locals.get('self')
-        if isinstance(obj, learner_mod.Learner) and frame.f_code.co_name == 'create_opt': return obj.model
+    for _ in range(depth):
+        if frame is None: return None
+        if frame.f_code.co_name == fn and (frame.f_globals is vars(mod)
+                                           or isinstance(frame.f_locals.get('self'), mod.Learner)): return frame
         frame = frame.f_back
     return None
+
+
+def find_learner_model() -> torch.nn.Module | None:
+    "The model of the fastai Learner whose `create_opt` is building this optimizer, if any (fastai is never imported)."
+    frame = fastai_frame('create_opt')
+    return getattr(frame.f_locals.get('self'), 'model', None) if frame else None
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -186,11 +195,15 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a cbopt, torch.optim or fastai state_dict. Strict and atomic: any mismatch raises an error naming
-        the param, and leaves this optimizer exactly as it was."""
+        the param, and leaves this optimizer exactly as it was.
+        One exception, for fastai: `lr_find` saves the optimizer before it runs (often still fresh, so with no
+        state) and loads it back after, through `load_model`, which turns any error into a "Could not load the
+        optimizer state" warning. So when fastai's `load_model` calls us, a checkpoint with no state at all
+        restores the fresh state (as `clear_state()`, flags kept) instead of raising."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             res = hook(self, state_dict)
             if res is not None: state_dict = res
-        new_state, new_hypers = named_state.prepare_load(self, state_dict)
+        new_state, new_hypers = named_state.prepare_load(self, state_dict, fresh_ok=fastai_frame('load_model') is not None)
         for p in self.params:  # commit: nothing below can fail
             flags = {k: v for k, v in self.state.get(p, {}).items() if k in FLAGS}
             self.state[p] = {**new_state[p], **flags}

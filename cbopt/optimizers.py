@@ -73,7 +73,7 @@ def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float
 
 def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     "`opt` with Lookahead: every `k` steps its params move back `1-alpha` of the way to slow weights (same backend)."
-    groups = [{'params': g['params'], 'param_names': g['param_names'], **opt.hypers[i]}
+    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i]}  # (name, param): names kept
               for i, g in enumerate(opt.param_groups)]
     res = Optimizer(groups, [lookahead_keep, *opt.cbs, lookahead_step], backend=opt.backend,
                     **{**opt.defaults, 'k': k, 'alpha': alpha})

@@ -143,9 +143,11 @@ def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
     return type(like)(value) if isinstance(like, Number) and not isinstance(like, bool) else value
 
 
-def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
+def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict, list]:
     """Check `sd` against `opt` and build the state to load, without touching `opt`.
-    Returns `({param: algorithm state}, [hypers per group])`; raises an error naming the param on any mismatch."""
+    Returns `({param: algorithm state}, [hypers per group])`; raises an error naming the param on any mismatch.
+    A param with state here but none in `sd` raises, unless `fresh_ok` and `sd` holds no state at all (a checkpoint
+    of a fresh optimizer, as fastai's `lr_find` makes): then every param restarts."""
     sd = to_named(opt, sd)
     groups = list(sd['param_groups'])
     _check_groups(opt, groups)
@@ -153,12 +155,13 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
     names = set(opt.param_names)
     for n in their_state:
         if n not in names: raise KeyError(f"unknown param {n!r} in the state_dict's state: this optimizer has no such param")
+    fresh = fresh_ok and not any(algo_keys(dict(s)) for s in their_state.values())
     new_state, expected_cache = {}, {}
     for gi, g in enumerate(opt.param_groups):
         for name, p in zip(g['param_names'], g['params']):
             ck = {k: v for k, v in dict(their_state.get(name, {})).items() if k not in FLAGS}
             cur = {k: v for k, v in opt.state.get(p, {}).items() if k not in FLAGS}
-            if cur and not ck:
+            if cur and not ck and not fresh:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")
             if not ck:
