@@ -89,13 +89,21 @@ def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
 
 
 def _from_fastai(opt: Optimizer, sd: Mapping) -> dict:
-    "A fastai Optimizer state_dict (state listed in param order, one hypers dict per group) keyed by FQN."
+    """A fastai Optimizer state_dict (state listed in param order, one hypers dict per group) keyed by FQN. A fastai
+    Lookahead's `count` and `slow_weights` become each param's `la_step` and `slow_p` (cbopt's Lookahead state)."""
     states, hypers = list(sd['state']), list(sd['hypers'])
     if len(hypers) != len(opt.param_groups):
         raise ValueError(f"the fastai state_dict has {len(hypers)} param groups, this optimizer {len(opt.param_groups)}")
     if len(states) != len(opt.params):
         raise ValueError(f"the fastai state_dict has state for {len(states)} params, this optimizer has {len(opt.params)}")
     state = {n: dict(s) for n, s in zip(opt.param_names, states) if s}
+    if sd.get('slow_weights') is not None:  # fastai's Lookahead: one step count, and slow weights listed per group
+        slow = [w for g in sd['slow_weights'] for w in g]
+        if len(slow) != len(opt.params):
+            raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, "
+                             f"this optimizer has {len(opt.params)}")
+        for n, w in zip(opt.param_names, slow):
+            if n in state: state[n].update(slow_p=w, la_step=int(sd['count']))
     groups = [{**dict(h), 'params': list(g['param_names'])} for h, g in zip(hypers, opt.param_groups)]
     return {'state': state, 'param_groups': groups}
 

@@ -1,0 +1,116 @@
+"""Resuming is exact: a checkpoint written with `torch.save` and read with `torch.load(weights_only=True)` into a fresh
+optimizer continues bit for bit. And a torch.optim or fastai optimizer's state_dict continues in cbopt as it would
+have in torch or fastai."""
+import io
+
+import fastai.optimizer as fo
+import pytest
+import torch
+
+import cbopt
+from conftest import PREBUILT, assert_rel_close, make_model, train, two_groups
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+LR = slice(3e-3, 3e-2)
+# the prebuilt optimizers, plus the torch.optim.SGD variants that fastai does not have
+BUILD = {**{k: (lambda k: lambda ps: PREBUILT[k](cbopt, ps, LR))(k) for k in PREBUILT},
+         'sgd-nesterov':  lambda ps: cbopt.SGD(ps, LR, mom=0.9, nesterov=True, wd=0.1),
+         'sgd-dampening': lambda ps: cbopt.SGD(ps, LR, mom=0.9, dampening=0.5, wd=0.1, decouple_wd=False)}
+
+
+def save_load(sd: dict) -> dict:
+    "A round trip through a checkpoint file, read back as `learn.load` and DCP do: `weights_only=True`."
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize('name,named', [(k, True) for k in BUILD] + [(k, False) for k in ('sgd-mom', 'adam', 'ranger')],
+                         ids=[*BUILD, 'sgd-mom-positional', 'adam-positional', 'ranger-positional'])
+def test_resume_is_exact(name, named):
+    "50 steps, checkpoint, a new optimizer loads it, 50 more steps: bit-identical params to 100 steps in one go."
+    ref, model = make_model(), make_model()
+    train(BUILD[name](two_groups(ref, named)), ref, 100)
+    opt = BUILD[name](two_groups(model, named))
+    train(opt, model, 50)
+    sd = save_load(opt.state_dict())
+    names = [n if named else str(i) for i, (n, _) in enumerate(model.named_parameters())]
+    assert list(sd['state']) == [n for n, p in zip(names, model.parameters()) if opt.state[p]]
+    fresh = BUILD[name](two_groups(model, named))
+    fresh.load_state_dict(sd)
+    train(fresh, model, 50, start=50)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()): assert torch.equal(p, q), f"param {n} differs"
+
+
+def continue_both(theirs_opt, theirs, ours_opt, ours, start: int, steps: int = 20) -> None:
+    "Continue the reference optimizer and ours from the same point, checking params after every step."
+    for i in range(start, start + steps):
+        train(theirs_opt, theirs, 1, start=i)
+        train(ours_opt, ours, 1, start=i)
+        assert_rel_close(ours, theirs, msg=f"step {i}:")
+
+
+def torch_groups(model, named: bool) -> list[dict]:
+    body, head = two_groups(model, named)
+    return [{'params': body, 'lr': 3e-3}, {'params': head}]
+
+
+TORCH = {  # torch.optim optimizer, and cbopt's with matching hypers
+    'adamw':   (lambda ps: torch.optim.AdamW(ps, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+                lambda ps: cbopt.Adam(ps, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1)),
+    'sgd-mom': (lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9, weight_decay=0.1),
+                lambda ps: cbopt.SGD(ps, lr=3e-2, mom=0.9, wd=0.1, decouple_wd=False)),
+}
+
+
+@pytest.mark.parametrize('named', [True, False], ids=['param_names', 'ids-only'])
+@pytest.mark.parametrize('name', TORCH)
+def test_torch_state_continues_in_cbopt(name, named):
+    "20 steps of torch.optim, its state_dict into cbopt (named by FQN), 20 more steps: the same as torch's next 20."
+    make_torch, make_ours = TORCH[name]
+    theirs, ours = make_model(), make_model()
+    topt = make_torch(torch_groups(theirs, named))
+    train(topt, theirs, 20)
+    sd = topt.state_dict()
+    assert ('param_names' in sd['param_groups'][0]) == named
+    ours.load_state_dict(theirs.state_dict())
+    opt = make_ours(torch_groups(ours, named=True))
+    opt.load_state_dict(save_load(sd))
+    assert [g['lr'] for g in opt.param_groups] == [3e-3, 3e-2]
+    continue_both(topt, theirs, opt, ours, start=20)
+
+
+def test_fastai_adam_state_continues_in_cbopt():
+    "fastai's Adam state_dict (state listed by position) continues in cbopt.Adam as in fastai."
+    theirs, ours = make_model(), make_model()
+    ref = PREBUILT['adam'](fo, two_groups(theirs), LR)
+    train(ref, theirs, 20)
+    ours.load_state_dict(theirs.state_dict())
+    opt = PREBUILT['adam'](cbopt, two_groups(ours, named=True), LR)
+    opt.load_state_dict(ref.state_dict())  # in memory: a load that kept fastai's tensors would corrupt both runs
+    continue_both(ref, theirs, opt, ours, start=20)
+
+
+@pytest.mark.parametrize('steps', [20, 21], ids=['at-sync', 'mid-cycle'])
+def test_fastai_ranger_state_continues_in_cbopt(steps):
+    "fastai's Lookahead keeps `count` and `slow_weights` beside the inner optimizer's state: cbopt.ranger reads them."
+    theirs, ours = make_model(), make_model()
+    ref = PREBUILT['ranger'](fo, two_groups(theirs), LR)
+    train(ref, theirs, steps)  # k=6: 20 steps leave the fast weights 2 steps past a sync, 21 steps 3
+    ours.load_state_dict(theirs.state_dict())
+    opt = PREBUILT['ranger'](cbopt, two_groups(ours, named=True), LR)
+    opt.load_state_dict(ref.state_dict())
+    assert all(s['la_step'] == steps for s in opt.state.values())
+    continue_both(ref, theirs, opt, ours, start=steps)
+
+
+@pytest.mark.parametrize('src,dst', [('ranger', 'radam'), ('radam', 'ranger')])
+def test_fastai_lookahead_mismatch_raises(src, dst):
+    "A Lookahead checkpoint does not load into a plain optimizer, nor the reverse: the state keys differ."
+    theirs, ours = make_model(), make_model()
+    ref = fo.Lookahead(fo.RAdam(two_groups(theirs), LR)) if src == 'ranger' else fo.RAdam(two_groups(theirs), LR)
+    train(ref, theirs, 8)
+    opt = cbopt.Lookahead(cbopt.RAdam(two_groups(ours), LR)) if dst == 'ranger' else cbopt.RAdam(two_groups(ours), LR)
+    with pytest.raises(ValueError, match='different algorithm'): opt.load_state_dict(ref.state_dict())
+    assert not any(opt.state.values())  # a failed load leaves the optimizer as it was
