@@ -35,6 +35,15 @@ NAMES = ['SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'ranger'] 
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    "Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine (restored after this module)."
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class TensorDS(TensorDataset):
     "A TensorDataset that `Learner.export` can empty (it calls `dataset.new_empty()`)."
     def new_empty(self): return type(self)(*(t[:0] for t in self.tensors))
@@ -225,13 +234,18 @@ def test_norm_and_bias_flags_are_set_and_honoured(tmp_path):
     assert not torch.equal(results[False, True]['5.bias'], results[True, True]['5.bias'])  # do_wd changes the bias
 
 
-def test_gradient_accumulation(tmp_path):
+def step_count(learn: Learner):
+    "The steps the head's weight took, for the optimizers that count them (`step_stat`)."
+    return learn.opt.state[learn.model[5].weight].get('step', None)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_gradient_accumulation(name, tmp_path):
     "GradientAccumulation skips step and zero_grad: grads accumulate over 2 batches of 8, one step per 16 samples."
-    ours = make_learner(cbopt.Adam, tmp_path, bs=8, cbs=GradientAccumulation(n_acc=16))
-    ref = make_learner(fo.Adam, tmp_path, bs=8, cbs=GradientAccumulation(n_acc=16))
+    ours, ref = (make_learner(o, tmp_path, bs=8, cbs=GradientAccumulation(n_acc=16)) for o in (getattr(cbopt, name), fastai_opt(name)))
     for learn in (ours, ref): learn.fit(1, 1e-2)
     assert_same_training(ours, ref)
-    assert ours.opt.state[ours.model[5].weight]['step'] == 3  # 6 batches, 3 steps
+    assert step_count(ours) in (None, 3)  # 6 batches, 3 steps
 
 
 # -- mixed precision -----------------------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ class InfOnBatch1(Callback):
         if self.iter == 1: self.model[5].weight.grad[0, 0] = float('inf')
 
 
-@pytest.mark.parametrize('name', ['SGD', 'Adam'])
+@pytest.mark.parametrize('name', NAMES)
 def test_mixed_precision_grad_scaler_on_cpu(name, tmp_path):
     "The scaler unscales grads in place through `opt.param_groups` (SGD would step 1024x too far otherwise), skips inf steps."
     ours, ref = (make_learner(o, tmp_path, cbs=CPUMixedPrecision()) for o in (getattr(cbopt, name), fastai_opt(name)))
@@ -256,7 +270,8 @@ def test_mixed_precision_grad_scaler_on_cpu(name, tmp_path):
         learn.fit(1, 1e-2, cbs=InfOnBatch1())
     assert_same_training(ours, ref)
     assert torch.isfinite(ours.model[5].weight).all()
-    if name == 'Adam': assert ours.opt.state[ours.model[5].weight]['step'] == 2  # 3 batches, one skipped
+    assert step_count(ours) in (None, 2)  # 3 batches, one skipped
+    assert step_count(ours) is not None or name in ('SGD', 'RMSProp', 'Larc')
 
 
 @pytest.mark.filterwarnings('ignore:.*CUDA is not available')
@@ -324,10 +339,13 @@ def test_partial_checkpoint_stays_strict_inside_fastai(tmp_path, recwarn):
 
 
 @pytest.mark.parametrize('name', NAMES)
-def test_save_load_with_opt_continues_identically(name, tmp_path, recwarn):
-    "learn.save(with_opt) / learn.load under weights_only=True restores every state entry; training continues alike."
+def test_lr_find_fine_tune_save_load(name, tmp_path, recwarn):
+    """lr_find on a fresh optimizer, fine_tune, then learn.save(with_opt) / learn.load under weights_only=True:
+    no optimizer-state warning anywhere, every state entry restored, and training continues alike."""
     opt_func = getattr(cbopt, name)
     a = make_learner(opt_func, tmp_path)
+    a.lr_find(num_it=10, show_plot=False)
+    assert all(set(a.opt.state[p]) <= set(FLAGS) for p in a.model.parameters())
     a.fine_tune(1, base_lr=1e-2)
     file = a.save('ck', with_opt=True)
     torch.load(file, weights_only=True)  # a plain safe load works too
