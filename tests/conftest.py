@@ -63,6 +63,7 @@ def assert_rel_close(actual: nn.Module, expected: nn.Module, rtol: float = 1e-6,
 
 # Every prebuilt optimizer, as `build(module, params, lr)` for `module` cbopt or fastai.optimizer (same signatures).
 # Nonzero wd, momentums away from their defaults, trust_coeff=1 so that LARC's clip bites: differences show.
+# RMSProp keeps eps at its default 1e-8: fastai's RMSProp drops its `eps` (its step's default 1e-8 is used).
 PREBUILT = {
     'sgd':            lambda m, ps, lr: m.SGD(ps, lr, wd=0.1),
     'sgd-l2':         lambda m, ps, lr: m.SGD(ps, lr, wd=0.1, decouple_wd=False),

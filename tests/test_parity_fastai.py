@@ -64,3 +64,14 @@ def test_scheduled_hypers(name):
             o.set_hyper('mom', 0.85 + 0.1 * i / STEPS)
     model, _, _ = run_both(lambda m, ps: PREBUILT[name](m, ps, 3e-2), each=schedule)
     assert_moved(model)
+
+
+@pytest.mark.parametrize('mom', [0., 0.8])
+def test_rmsprop_forwards_eps(mom):
+    "fastai's RMSProp ignores its `eps`; cbopt's uses it, as fastai's own callbacks do when given `eps`."
+    def build(m, ps):
+        if m is cbopt: return cbopt.RMSProp(ps, 3e-2, mom=mom, sqr_mom=0.9, eps=1e-2, wd=0.1)
+        cbs = [fo.weight_decay, *([fo.average_grad] if mom else []), fo.average_sqr_grad, fo.rms_prop_step]
+        return fo.Optimizer(ps, cbs, lr=3e-2, mom=mom, sqr_mom=0.9, eps=1e-2, wd=0.1)
+    model, _, _ = run_both(build)
+    assert_moved(model)
