@@ -2,6 +2,7 @@
 optimizer continues bit for bit. And a torch.optim or fastai optimizer's state_dict continues in cbopt as it would
 have in torch or fastai."""
 import io
+from functools import partial
 
 import fastai.optimizer as fo
 import pytest
@@ -13,7 +14,7 @@ from conftest import PREBUILT, assert_rel_close, make_model, train, two_groups
 pytestmark = pytest.mark.usefixtures('one_thread')
 LR = slice(3e-3, 3e-2)
 # the prebuilt optimizers, plus the torch.optim.SGD variants that fastai does not have
-BUILD = {**{k: (lambda k: lambda ps: PREBUILT[k](cbopt, ps, LR))(k) for k in PREBUILT},
+BUILD = {**{k: partial(build, cbopt, lr=LR) for k, build in PREBUILT.items()},
          'sgd-nesterov':  lambda ps: cbopt.SGD(ps, LR, mom=0.9, nesterov=True, wd=0.1),
          'sgd-dampening': lambda ps: cbopt.SGD(ps, LR, mom=0.9, dampening=0.5, wd=0.1, decouple_wd=False)}
 
@@ -51,9 +52,12 @@ def continue_both(theirs_opt, theirs, ours_opt, ours, start: int, steps: int = 2
         assert_rel_close(ours, theirs, msg=f"step {i}:")
 
 
-def torch_groups(model, named: bool) -> list[dict]:
-    body, head = two_groups(model, named)
-    return [{'params': body, 'lr': 3e-3}, {'params': head}]
+# how torch's optimizer is given its params (cbopt's always gets the same params, named by FQN)
+TORCH_PARAMS = {
+    'param_names':        lambda m: [{'params': g, **lr} for g, lr in zip(two_groups(m, True), [{'lr': 3e-3}, {}])],
+    'ids-only':           lambda m: [{'params': g, **lr} for g, lr in zip(two_groups(m), [{'lr': 3e-3}, {}])],
+    'named_parameters()': lambda m: m.named_parameters(),
+}
 
 
 TORCH = {  # torch.optim optimizer, and cbopt's with matching hypers
@@ -64,20 +68,20 @@ TORCH = {  # torch.optim optimizer, and cbopt's with matching hypers
 }
 
 
-@pytest.mark.parametrize('named', [True, False], ids=['param_names', 'ids-only'])
+@pytest.mark.parametrize('form', TORCH_PARAMS)
 @pytest.mark.parametrize('name', TORCH)
-def test_torch_state_continues_in_cbopt(name, named):
+def test_torch_state_continues_in_cbopt(name, form):
     "20 steps of torch.optim, its state_dict into cbopt (named by FQN), 20 more steps: the same as torch's next 20."
     make_torch, make_ours = TORCH[name]
     theirs, ours = make_model(), make_model()
-    topt = make_torch(torch_groups(theirs, named))
+    topt = make_torch(TORCH_PARAMS[form](theirs))
     train(topt, theirs, 20)
     sd = topt.state_dict()
-    assert ('param_names' in sd['param_groups'][0]) == named
+    assert ('param_names' in sd['param_groups'][0]) == (form != 'ids-only')
     ours.load_state_dict(theirs.state_dict())
-    opt = make_ours(torch_groups(ours, named=True))
+    opt = make_ours(TORCH_PARAMS[form if form == 'named_parameters()' else 'param_names'](ours))
     opt.load_state_dict(save_load(sd))
-    assert [g['lr'] for g in opt.param_groups] == [3e-3, 3e-2]
+    assert [g['lr'] for g in opt.param_groups] == [g['lr'] for g in topt.param_groups]
     continue_both(topt, theirs, opt, ours, start=20)
 
 
