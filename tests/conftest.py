@@ -2,8 +2,6 @@
 same params at the same step, and the prebuilt optimizers with hypers that make their differences visible."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,12 +40,11 @@ def set_grads(model: nn.Module, step: int) -> None:
     with torch.enable_grad(): F.mse_loss(model(x), y).backward()
 
 
-def train(opt, model: nn.Module, steps: int, start: int = 0, each: Callable[[int], None] | None = None) -> None:
-    "Take `steps` optimizer steps on the batches `start`, `start+1`, ...; call `each(i)` after step `i`."
+def train(opt, model: nn.Module, steps: int, start: int = 0) -> None:
+    "Take `steps` optimizer steps on the batches `start`, `start+1`, ..."
     for i in range(start, start + steps):
         set_grads(model, i)
         opt.step()
-        if each is not None: each(i)
 
 
 def assert_rel_close(actual: nn.Module, expected: nn.Module, rtol: float = 1e-6, msg: str = '') -> None:

@@ -18,12 +18,11 @@ def run_both(build, each=None, dtype=torch.float32, rtol=1e-6) -> tuple:
     "Train a fastai and a cbopt optimizer from `build(module, params)` side by side, checking params after each step."
     ours, theirs = make_model(dtype=dtype), make_model(dtype=dtype)
     opt, ref = build(cbopt, two_groups(ours)), build(fo, two_groups(theirs))
-    def check(i):
-        if each is not None: each(i, opt, ref)
-        assert_rel_close(ours, theirs, rtol=rtol, msg=f"step {i}:")
-    for i in range(STEPS):  # step by step, so that `each` can change hypers between steps as a scheduler would
+    for i in range(STEPS):
         train(ref, theirs, 1, start=i)
-        train(opt, ours, 1, start=i, each=check)
+        train(opt, ours, 1, start=i)
+        assert_rel_close(ours, theirs, rtol=rtol, msg=f"step {i}:")
+        if each is not None: each(i, opt, ref)  # e.g. set hypers for the next step, as a scheduler would
     return ours, opt, ref
 
 
