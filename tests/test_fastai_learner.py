@@ -207,6 +207,18 @@ def test_discriminative_lr_and_freeze_to(tmp_path):
     learn.summary()  # reads opt.frozen_idx
 
 
+def test_frozen_after_training_stays_put(tmp_path):
+    """Freezing after training: cbopt's zero_grad (torch's) sets grads to None, so frozen params are skipped, weight
+    decay included. (fastai's own zero_grad keeps zero grads, so its optimizers go on decaying frozen params.)"""
+    learn = make_learner(cbopt.Adam, tmp_path, wd=0.1)
+    learn.fit(1, 1e-2)
+    before = {n: p.detach().clone() for n, p in learn.model.named_parameters()}
+    learn.freeze()
+    learn.fit(1, 1e-2)
+    for n, p in learn.model.named_parameters():
+        assert torch.equal(p, before[n]) == n.startswith(('0.', '3.')), n  # groups 0-1 frozen, but the BN trains
+
+
 def test_norm_and_bias_flags_are_set_and_honoured(tmp_path):
     "wd_bn_bias=False puts do_wd=False, train_bn=True puts force_train=True in opt.state[p]; the step follows them."
     results = {}
