@@ -102,8 +102,9 @@ def _from_fastai(opt: Optimizer, sd: Mapping) -> dict:
         if len(slow) != len(opt.params):
             raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, "
                              f"this optimizer has {len(opt.params)}")
-        for n, w in zip(opt.param_names, slow):
-            if n in state: state[n].update(slow_p=w, la_step=int(sd['count']))
+        stateless = not any(algo_keys(s) for s in states)  # e.g. Lookahead over plain SGD: slow weights are all
+        for n, s, w in zip(opt.param_names, states, slow):
+            if stateless or algo_keys(s): state.setdefault(n, {}).update(slow_p=w, la_step=int(sd['count']))
     groups = [{**dict(h), 'params': list(g['param_names'])} for h, g in zip(hypers, opt.param_groups)]
     return {'state': state, 'param_groups': groups}
 

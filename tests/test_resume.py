@@ -96,16 +96,21 @@ def test_fastai_adam_state_continues_in_cbopt():
     continue_both(ref, theirs, opt, ours, start=20)
 
 
+LOOKAHEAD = {'ranger': lambda m, ps: PREBUILT['ranger'](m, ps, LR),
+             'lookahead-sgd': lambda m, ps: m.Lookahead(m.SGD(ps, LR, wd=0.1), k=4)}  # an inner opt with no state
+
+
 @pytest.mark.parametrize('steps', [20, 21], ids=['at-sync', 'mid-cycle'])
-def test_fastai_ranger_state_continues_in_cbopt(steps):
-    "fastai's Lookahead keeps `count` and `slow_weights` beside the inner optimizer's state: cbopt.ranger reads them."
+@pytest.mark.parametrize('name', LOOKAHEAD)
+def test_fastai_lookahead_state_continues_in_cbopt(name, steps):
+    "fastai's Lookahead keeps `count` and `slow_weights` beside the inner optimizer's state: cbopt reads them."
     theirs, ours = make_model(), make_model()
-    ref = PREBUILT['ranger'](fo, two_groups(theirs), LR)
-    train(ref, theirs, steps)  # k=6: 20 steps leave the fast weights 2 steps past a sync, 21 steps 3
+    ref = LOOKAHEAD[name](fo, two_groups(theirs))
+    train(ref, theirs, steps)  # 20 steps leave the fast weights past a sync (k=6: 2 steps, k=4: 0), 21 steps one more
     ours.load_state_dict(theirs.state_dict())
-    opt = PREBUILT['ranger'](cbopt, two_groups(ours, named=True), LR)
+    opt = LOOKAHEAD[name](cbopt, two_groups(ours, named=True))
     opt.load_state_dict(ref.state_dict())
-    assert all(s['la_step'] == steps for s in opt.state.values())
+    assert [opt.state[p].get('la_step') for p in opt.params] == [steps] * len(opt.params)
     continue_both(ref, theirs, opt, ours, start=steps)
 
 
