@@ -270,15 +270,27 @@ def compiled_chain(opt, b: Bucket, idx: list) -> Callable:
     return _COMPILED[key]
 
 
+def _chunks(ranks: list[int]) -> list[list[int]]:
+    """Indices of same-rank params in chunks of at most `CHUNK`, of one size per rank where a size from CHUNK/2 to
+    CHUNK divides their count (1000 params: 40 chunks of 25), so that a remainder chunk does not cost a compile."""
+    out = []
+    for r in sorted(set(ranks)):
+        idx = [i for i, r_ in enumerate(ranks) if r_ == r]
+        k = next((k for k in range(CHUNK, CHUNK // 2 - 1, -1) if len(idx) % k == 0), CHUNK)
+        out += [idx[j:j + k] for j in range(0, len(idx), k)]
+    return out
+
+
 def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
-    """Step `b` with the compiled chain, in chunks of `CHUNK` params of the same rank. Compilation traces the chain
+    """Step `b` with the compiled chain, in chunks of params of the same rank (`_chunks`). Compilation traces the chain
     before running anything, so a chain that cannot compile raises before its first chunk is touched."""
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
-    order = sorted(range(len(b.params)), key=lambda i: b.params[i].ndim)
-    chunks = [order[j:j + CHUNK] for j in range(0, len(order), CHUNK)]
+    chunks = _chunks([p.ndim for p in b.params])
     for j, idx in enumerate(chunks):
         tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
-        try: new_t, new_py = compiled_chain(opt, b, idx)([b.params[i] for i in idx], tstates, pystate, dict(hyper))
+        try:
+            with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # Parameters have dynamic shapes too
+                new_t, new_py = compiled_chain(opt, b, idx)([b.params[i] for i in idx], tstates, pystate, dict(hyper))
         except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
             rest = [i for c in chunks[j:] for i in c]
             raise _CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
