@@ -45,8 +45,9 @@ def optimizers() -> dict[str, Callable]:
     return {
         'listed: wd+avg_grad+momentum': lambda ps: cbopt.Optimizer(
             ps, [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step], lr=0.02, mom=0.9, wd=1e-4),
+        # centralize_grad branches on each param's shape, so it runs param by param (the 'loop' backend), not bucket-wise
         'listed: centralize+Adam': lambda ps: cbopt.Optimizer(
-            ps, [centralize_grad, *listed_adam], lr=3e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01),
+            ps, [centralize_grad, *listed_adam], backend='loop', lr=3e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01),
         'SGD': lambda ps: cbopt.SGD(ps, lr=0.02, mom=0.9, wd=1e-4),  # the same as the first row
         'Adam': lambda ps: cbopt.Adam(ps, lr=3e-3),
         'RAdam': lambda ps: cbopt.RAdam(ps, lr=3e-3),
