@@ -80,6 +80,22 @@ def smooth(xs: list[float], n: int = 20) -> list[float]:
     return out
 
 
+def run_all(steps: int, seed: int) -> dict[str, list[float]]:
+    "Train a copy of one model with every optimizer of `optimizers()`, printing the table; the loss curves by name."
+    x, y = make_data(seed=seed)
+    model0, curves = make_model(x.shape[1], seed=seed), {}
+    print(f"MLP {x.shape[1]}-64-64-1 on {len(x)} synthetic samples, {steps} steps of batch 64 per optimizer\n")
+    train(cbopt.SGD, copy.deepcopy(model0), x, y, 20)  # warm up torch's kernels so the first row's speed is fair
+    header = f"{'optimizer':<30} {'first loss':>10} {'final loss':>10} {'steps/s':>8}"
+    print(header + '\n' + '-' * len(header))
+    for name, opt_func in optimizers().items():
+        losses, speed = train(opt_func, copy.deepcopy(model0), x, y, steps, seed=seed)
+        curves[name] = losses
+        final = sum(losses[-20:]) / len(losses[-20:])  # mean of the last 20 minibatch losses
+        print(f"{name:<30} {losses[0]:>10.4f} {final:>10.4f} {speed:>8.0f}", flush=True)
+    return curves
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     "Run the demo; returns the loss curves by optimizer name."
     parser = argparse.ArgumentParser(prog='python -m cbopt demo', description=__doc__)
@@ -91,18 +107,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small runs fastest on one thread (and does not fight other processes)
-    x, y = make_data(seed=args.seed)
-    model0, curves = make_model(x.shape[1], seed=args.seed), {}
-    print(f"MLP {x.shape[1]}-64-64-1 on {len(x)} synthetic samples, {args.steps} steps of batch 64 per optimizer\n")
-    train(cbopt.SGD, copy.deepcopy(model0), x, y, 20)  # warm up torch's kernels so the first row's speed is fair
-    header = f"{'optimizer':<30} {'first loss':>10} {'final loss':>10} {'steps/s':>8}"
-    print(header + '\n' + '-' * len(header))
-    for name, opt_func in optimizers().items():
-        losses, speed = train(opt_func, copy.deepcopy(model0), x, y, args.steps, seed=args.seed)
-        curves[name] = losses
-        final = sum(losses[-20:]) / len(losses[-20:])  # mean of the last 20 minibatch losses
-        print(f"{name:<30} {losses[0]:>10.4f} {final:>10.4f} {speed:>8.0f}", flush=True)
+    try: curves = run_all(args.steps, args.seed)
+    finally: torch.set_num_threads(threads)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
