@@ -41,6 +41,21 @@ def test_follows_fastai(name, run):
     assert_moved(model)
 
 
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+@pytest.mark.parametrize('name', PREBUILT)
+def test_follows_fastai_per_tensor(name, backend):
+    """The per-param reference and the foreach backend do fastai's float ops (bar LARC's and LAMB's tensor-math
+    rewrites of Python branches), so they hold 1e-6 relative to each tensor's own scale, not just the model's."""
+    ours, theirs = make_model(), make_model()
+    opt, ref = PREBUILT[name](cbopt, two_groups(ours), 3e-2), PREBUILT[name](fo, two_groups(theirs), 3e-2)
+    opt.backend = backend
+    for i in range(STEPS):
+        train(ref, theirs, 1, start=i)
+        train(opt, ours, 1, start=i)
+        assert_rel_close(ours, theirs, rtol=1e-6, msg=f"step {i}:", per_tensor=True)
+    assert_moved(ours)
+
+
 @pytest.mark.parametrize('name', ['sgd-mom', 'adam', 'ranger', 'larc'])
 def test_per_group_hypers(name):
     "`slice(stop)` and lists give one value per group, as fastai's `set_hyper` does."
