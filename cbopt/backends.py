@@ -54,16 +54,16 @@ class Bucket(NamedTuple):
 
 def _state_key(st: dict) -> tuple:
     "Tensor state by key only; Python values (step counts, flags) by value, as one call must share them."
-    return tuple(k if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items())
+    return tuple([k if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items()])
 
 
 def buckets(opt: Optimizer) -> list[Bucket]:
     "The params with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys)."
-    out = {}
+    out, state = {}, opt.state
     for gi, g in enumerate(opt.param_groups):
         for p in g['params']:
             if p.grad is None: continue
-            st = opt.state[p]
+            st = state[p]
             key = (gi, p.device, p.dtype, _state_key(st))
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
@@ -286,17 +286,17 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     before running anything, so a chain that cannot compile raises before its first chunk is touched."""
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     chunks = _chunks([p.ndim for p in b.params])
-    for j, idx in enumerate(chunks):
-        tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
-        try:
-            with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # Parameters have dynamic shapes too
-                new_t, new_py = compiled_chain(opt, b, idx)([b.params[i] for i in idx], tstates, pystate, dict(hyper))
-        except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
-            rest = [i for c in chunks[j:] for i in c]
-            raise _CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
-        for i, nt in zip(idx, new_t):
-            b.states[i].update(nt)
-            b.states[i].update(new_py)
+    hyper = dict(hyper)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # nn.Parameters get dynamic shapes too
+        for j, idx in enumerate(chunks):
+            tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
+            try: new_t, new_py = compiled_chain(opt, b, idx)([b.params[i] for i in idx], tstates, pystate, hyper)
+            except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
+                rest = [i for c in chunks[j:] for i in c]
+                raise _CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
+            for i, nt in zip(idx, new_t):
+                b.states[i].update(nt)
+                b.states[i].update(new_py)
 
 
 class _CompileFailed(Exception):
