@@ -9,8 +9,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
 3. Lion, written here only as cbopt callbacks (torch has no kernel for it), on the GPT-2 set: backends vs the loop,
    and the first step (state creation and compilation) on its own.
 4. Peak memory a step adds beyond params, grads and state, each optimizer in a fresh subprocess.
-5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to a `copy_` of a large
-   tensor timed in the same rounds (the physical limit).
+5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to the bandwidth of two
+   streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import cache
@@ -135,10 +136,15 @@ def lion_contenders(backends: list[str]) -> dict[str, Callable]:
             for b in backends}
 
 
-def copy_contender(n: int) -> Callable[[], None]:
-    "A `copy_` between two fp32 tensors of `n` elements: moves 8n bytes, the machine's streaming limit."
-    src, dst = torch.randn(n), torch.empty(n)
-    return lambda: dst.copy_(src)
+# bytes per element of the bandwidth references; `copy_` also reads the lines it overwrites (write-allocate) without
+# that being counted, while `add_` reads every line it writes, as an optimizer step does
+STREAM_BYTES = {'copy_': 8, 'add_': 12}
+
+
+def stream_contenders(n: int) -> dict[str, Callable[[], None]]:
+    "`dst.copy_(src)` and `dst.add_(src)` on fp32 tensors of `n` elements: the machine's streaming bandwidth."
+    src, dst = torch.randn(n), torch.zeros(n)
+    return {'copy_': lambda: dst.copy_(src), 'add_': lambda: dst.add_(src)}
 
 
 def numerics_gap(contenders: dict[str, Callable], ref: str, shapes: Shapes, steps: int = 3) -> dict[str, float]:
@@ -285,10 +291,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return '\n'.join([line(header), '|' + '|'.join('-' * (w + 2) for w in widths) + '|', *map(line, rows)])
 
 
-def adam_rows(case: dict, copy_gbs: float | None, mem: dict) -> tuple[list[str], list[list[str]]]:
+def adam_rows(case: dict, bw: float | None, mem: dict) -> tuple[list[str], list[list[str]]]:
     res, nbytes = case['results'], case['numel'] * ADAM_BYTES
     header = ['optimizer', 'step ms', 'best ms', '/ torch fused', '/ torch foreach', '/ torch loop', 'fastai speedup',
-              'GB/s', '% of copy', 'peak mem % params', 'first step s']
+              'GB/s', '% of bw', 'peak mem % params', 'first step s']
     rows = []
     for name, r in res.items():
         if 'error' in r:
@@ -298,14 +304,14 @@ def adam_rows(case: dict, copy_gbs: float | None, mem: dict) -> tuple[list[str],
         rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), fmt(min(r['times']) * 1e3, '.1f'),
                      *[fmt(paired(res, name, ref), '.2f', 'x') for ref in
                      ('torch fused', 'torch foreach', 'torch loop')], fmt(paired(res, 'fastai', name), '.2f', 'x'),
-                     fmt(gbs, '.1f'), fmt(gbs / copy_gbs * 100 if copy_gbs else None, '.0f', '%'),
+                     fmt(gbs, '.1f'), fmt(gbs / bw * 100 if bw else None, '.0f', '%'),
                      fmt(mem.get(name), '.1f', '%'), fmt(r['first_s'], '.2f')])
     return header, rows
 
 
-def lion_rows(case: dict, copy_gbs: float | None) -> tuple[list[str], list[list[str]]]:
+def lion_rows(case: dict, bw: float | None) -> tuple[list[str], list[list[str]]]:
     res, nbytes = case['results'], case['numel'] * LION_BYTES
-    header = ['optimizer', 'step ms', 'best ms', 'speedup vs loop', 'GB/s', '% of copy', 'first step s', 'warm-up extra s']
+    header = ['optimizer', 'step ms', 'best ms', 'speedup vs loop', 'GB/s', '% of bw', 'first step s', 'warm-up extra s']
     rows = []
     for name, r in res.items():
         if 'error' in r:
@@ -314,22 +320,24 @@ def lion_rows(case: dict, copy_gbs: float | None) -> tuple[list[str], list[list[
         gbs = nbytes / r['median_s'] / 1e9
         rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), fmt(min(r['times']) * 1e3, '.1f'),
                      fmt(paired(res, 'cbopt loop', name), '.2f', 'x'),
-                     fmt(gbs, '.1f'), fmt(gbs / copy_gbs * 100 if copy_gbs else None, '.0f', '%'),
+                     fmt(gbs, '.1f'), fmt(gbs / bw * 100 if bw else None, '.0f', '%'),
                      fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
     return header, rows
 
 
 def report(results: dict) -> str:
     "The tables of a run, as markdown."
-    m, cases, copy_gbs = results['machine'], results['cases'], results['copy_GBps']
-    out = [f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
+    m, cases, streams = results['machine'], results['cases'], results['bandwidth_GBps']
+    bw = max((v for v in streams.values() if v), default=None)
+    out = [f"Machine: {m['cpu']}, {m['cores']} cores (torch threads: {m['torch_threads']}), torch {m['torch']}, "
            f"fastai {m['fastai']}, Python {m['python']}; {m['date']}. fp32, median of {results['rounds']} interleaved "
-           f"steps; `copy_` of a large tensor: {fmt(copy_gbs, '.1f')} GB/s (read + write)."]
+           f"steps. Bandwidth (`% of bw` is of the larger): " +
+           ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.']
     titles = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
               'lion': 'Lion (cbopt callbacks only) on the GPT-2 set'}
     for key, case in cases.items():
-        header, rows = (lion_rows(case, copy_gbs) if key == 'lion' else
-                        adam_rows(case, copy_gbs, results['peak_mem_pct'] if key == 'gpt2' else {}))
+        header, rows = (lion_rows(case, bw) if key == 'lion' else
+                        adam_rows(case, bw, results['peak_mem_pct'] if key == 'gpt2' else {}))
         gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
         note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
         shape = f"{case['tensors']:,} tensors, {case['numel']:,} params"
@@ -360,7 +368,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set(title='Adam, GPT-2 set: peak memory a step adds', xlabel='% of param bytes')
     m = results['machine']
     fig.suptitle(f"cbopt bench{' (quick: tiny sizes)' if results['quick'] else ''}: {m['cpu']}, {m['cores']} cores, "
-                 f"torch {m['torch']}, fp32 (blue: cbopt)")
+                 f"torch {m['torch']} ({m['torch_threads']} thread(s)), fp32 (blue: cbopt)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -369,13 +377,14 @@ def plot(results: dict, path: Path) -> None:
 # -- main -----------------------------------------------------------------------------------------------------------
 def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmup: int, progress: Progress,
              extra: dict[str, Callable[[], None]] | None = None, ref: str = 'torch fused', tol: float = 1e-6) -> dict:
-    "Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `extra` step functions."
-    gap = numerics_gap(contenders, ref, shapes)
+    """Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `extra` step functions;
+    then check that they compute the same thing (after timing, so that a first compilation is timed as a user sees it)."""
     ps = make_params(shapes)
     steps = {**{n: f(ps) for n, f in contenders.items()}, **(extra or {})}
     res = measure(steps, rounds, warmup, progress)
     del steps, ps
     gc.collect()
+    gap = numerics_gap(contenders, ref, shapes)
     return {'numel': sum(math.prod(s) for _, s in shapes),
             'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
 
@@ -391,20 +400,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
     args = parser.parse_args(argv)
     if args.threads: torch.set_num_threads(args.threads)
+    if args.quick: return run(args)
+    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    with tempfile.TemporaryDirectory(prefix='cbopt_bench_inductor_') as cache:
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache  # an empty compile cache: compile times as a first run pays them
+        try: return run(args)
+        finally:
+            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
+            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+
+
+def run(args: argparse.Namespace) -> dict:
+    "The cases, peak memory, report, JSON and plot (full runs compile with an empty cache, quick ones with the usual)."
     rounds = args.steps or (3 if args.quick else 10)
     warmup = max(args.warmup, 1)
     torch.manual_seed(0)
     sets, backends = param_sets(args.quick), list(available_backends())
     adam, lion = adam_contenders(backends), lion_contenders(backends)
-    copy_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
+    stream_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
     per = warmup + rounds
-    progress = Progress(per * (2 * len(adam) + 1 + len(lion)) + len(adam))
+    progress = Progress(per * (2 * len(adam) + len(STREAM_BYTES) + len(lion)) + len(adam))
     print(f"cbopt backends: {', '.join(backends)}", flush=True)
     cases = {}
     progress.set('Adam, GPT-2 small')
-    cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra={'copy_': copy_contender(copy_n)})
-    copy_res = cases['gpt2']['results'].pop('copy_')
-    copy_gbs = 8 * copy_n / copy_res['median_s'] / 1e9 if 'median_s' in copy_res else None
+    cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra=stream_contenders(stream_n))
+    streams = {k: cases['gpt2']['results'].pop(k) for k in STREAM_BYTES}
+    bandwidth = {k: STREAM_BYTES[k] * stream_n / r['median_s'] / 1e9 if 'median_s' in r else None
+                 for k, r in streams.items()}
     progress.set('Adam, 64x64 grid')
     cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
     progress.set('Lion, GPT-2 small')
@@ -412,8 +434,9 @@ def main(argv: list[str] | None = None) -> dict:
     progress.set('peak memory')
     mem = peak_memory(list(adam), args.quick, backends, progress)
     progress.close()
-    results = dict(machine=machine(), quick=args.quick, rounds=rounds, warmup=warmup, backends=backends,
-                   copy_GBps=copy_gbs, copy={'numel': copy_n, **copy_res}, peak_mem_pct=mem, cases=cases)
+    results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
+                   backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
+                   peak_mem_pct=mem, cases=cases)
     text = report(results)
     print('\n' + text, flush=True)
     out = Path(args.out)
