@@ -5,7 +5,12 @@
   once per bucket on `TensorList` stand-ins, so its tensor ops become `torch._foreach_*` kernels over the bucket.
 - `fused`: the whole chain is one pass per bucket: torch's fused kernel when the chain is exactly one
   (`torch._fused_adamw_` for cbopt's AdamW), otherwise the chain compiled over the bucket with `torch.compile`.
-- `auto`: see `pick_runner`.
+- `auto`: torch's kernel if one matches, else foreach on accelerators, else the faster of foreach and loop as timed
+  on the first steps (CPU); see `pick_runner`.
+
+Buckets (`buckets`) hold params that one call can serve; a callback that cannot run on a whole bucket (Python `if`
+on a tensor value: `TensorList.__bool__` raises `BucketError`) is found by `probe` on a copy before the bucket is
+touched, and that bucket then runs param by param, with a one-time warning naming the callback.
 
 A bucket's state is each param's own `opt.state[p]` entries (viewed as TensorLists while the chain runs), so
 state_dicts are the same whatever the backend, and a checkpoint saved under one resumes under any other.

@@ -240,3 +240,27 @@ def test_tensorlist_bool_raises():
 
 def test_unknown_backend():
     with pytest.raises(ValueError, match='backend'): cbopt.SGD(make_model().parameters(), backend='fast')
+
+
+def test_tensorlist_reuses_only_true_temporaries():
+    "`(v / d).sqrt() + eps` overwrites its own temporaries in place, never a list someone still holds."
+    v = cbopt.TensorList([torch.full((3,), 4.), torch.full((2,), 9.)])
+    held = v / 4
+    res = held.sqrt() + 1.
+    assert [t.tolist() for t in held] == [[1.] * 3, [2.25] * 2] and res is not held
+    tmp_res = (v / 4).sqrt() + 1.
+    assert [t.tolist() for t in tmp_res] == [[2.] * 3, [2.5] * 2] and [t.tolist() for t in v] == [[4.] * 3, [9.] * 2]
+
+
+def test_auto_times_foreach_and_loop_on_cpu():
+    "On CPU auto tries foreach and loop on each bucket layout, then keeps the faster; results stay the loop's."
+    opt, _ = run_vs_loop('rmsprop', 'auto', steps=2 + 2 * backends.AUTO_TRIALS, rtol=0)
+    trials = [t for t in backends._runtime(opt).auto_times.values() if sum(map(len, t.values())) > 1]
+    assert trials and all(len(t['foreach']) == len(t['loop']) == backends.AUTO_TRIALS for t in trials)
+
+
+def test_wrappers_keep_the_backend():
+    ps = list(make_model().parameters())
+    assert cbopt.Lookahead(cbopt.SGD(ps, backend='loop')).backend == 'loop'
+    assert cbopt.ranger(ps, backend='fused').backend == 'fused'
+    assert cbopt.Adam(ps).backend == 'auto'
