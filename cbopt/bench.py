@@ -35,7 +35,7 @@ import cbopt
 
 __all__ = ['gpt2_shapes', 'grid_shapes', 'make_params', 'lion_step', 'lion_avg', 'available_backends', 'measure', 'main']
 
-BACKENDS = ('fused', 'foreach', 'loop')
+BACKENDS = ('fused', 'foreach', 'loop', 'auto')  # auto (the default) picks one of the others per bucket
 ADAM = dict(lr=1e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
 LION = dict(lr=1e-4, mom=0.9, sqr_mom=0.99, wd=0.1)
 # fp32 bytes per element the algorithm must move: param read+write, grad read, and each state buffer read+write
@@ -149,7 +149,7 @@ def stream_contenders(n: int) -> dict[str, Callable[[], None]]:
 
 def numerics_gap(contenders: dict[str, Callable], ref: str, shapes: Shapes, steps: int = 3) -> dict[str, float]:
     """Largest |param - ref's param| after `steps` steps from the same start, per contender: the rows of a table only
-    compare if they compute the same thing. Large sets are checked on three tiny tensors instead."""
+    compare if they compute the same thing. Large sets are checked on four tiny tensors instead."""
     if sum(math.prod(s) for _, s in shapes) > 1_000_000: shapes = [('a', (7, 5)), ('b', (5,)), ('c', (3, 4, 2)), ('d', (9,))]
     finals = {}
     for name, factory in contenders.items():
