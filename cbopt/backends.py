@@ -226,16 +226,25 @@ def torch_kernel(opt, b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
 
 # -- fused: the chain compiled over a bucket -----------------------------------------------------------------------
 class _ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
-    """Inside the compiled chain, turn `alpha=`/`value=`/`weight=` numbers into tensor products: torch.compile keeps
+    """Inside the compiled chain, turn `alpha=`/`value=`/`weight=`/clamp numbers into tensor ops: torch.compile keeps
     a Python number symbolic (no recompile when lr or step change) only where it meets a tensor, and would otherwise
     bake it into the graph and recompile at every new value."""
     ALPHA = {torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_, torch.add, torch.sub}
     VALUE = {torch.Tensor.addcmul, torch.Tensor.addcmul_, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.addcmul,
              torch.addcdiv}
     LERP = {torch.Tensor.lerp: torch.Tensor.add, torch.Tensor.lerp_: torch.Tensor.add_, torch.lerp: torch.add}
+    CLAMP = {torch.Tensor.clamp, torch.Tensor.clip, torch.clamp, torch.clip}
+    CLAMP_ = {torch.Tensor.clamp_, torch.Tensor.clip_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in self.CLAMP or func in self.CLAMP_:  # as maximum/minimum with tensors (seen miscompiled otherwise)
+            x, bounds = args[0], [*args[1:], None, None]
+            lo, hi = kwargs.get('min', bounds[0]), kwargs.get('max', bounds[1])
+            as_t = lambda v: v if isinstance(v, torch.Tensor) else torch.zeros_like(x) + v
+            res = x if lo is None else torch.maximum(x, as_t(lo))
+            res = res if hi is None else torch.minimum(res, as_t(hi))
+            return x.copy_(res) if func in self.CLAMP_ else res
         if func in self.ALPHA and 'alpha' in kwargs: args = (args[0], args[1] * kwargs.pop('alpha'), *args[2:])
         elif func in self.VALUE and 'value' in kwargs: args = (args[0], args[1] * kwargs.pop('value'), *args[2:])
         elif func in self.LERP and len(args) == 3 and not isinstance(args[2], torch.Tensor):

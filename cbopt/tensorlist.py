@@ -51,7 +51,7 @@ def _fresh(res) -> TensorList:
 
 def _reusable(tl: TensorList, refs: int, limit: int, other: Any = 0) -> bool:
     "Whether `tl` is a temporary a float op with a Python number can overwrite (same shape and dtype as the result)."
-    return (_ELIDE and refs <= limit and isinstance(other, Number) and tl.__dict__.get('_fresh', False)
+    return (_ELIDE and refs <= limit and isinstance(other, (int, float)) and tl.__dict__.get('_fresh', False)
             and tl[0].is_floating_point())
 
 
