@@ -1,8 +1,10 @@
-"""Every backend follows the per-param `loop` reference (fp32, 1e-6 relative, params checked after each of 100 steps),
-for every prebuilt optimizer and for a chain written here; bucketing edge cases; state interchange; the fallback.
+"""Every backend follows the per-param `loop` reference (fp32, 1e-6 relative to the model's scale, params checked
+after every step), for the prebuilt optimizers and for chains written here; bucketing edge cases; state interchange;
+the per-param fallback.
 
-Compiling is slow on CPU, so most fused-compiled checks trace with torch.compile's `aot_eager` backend (the same
-dynamo graph, without inductor's codegen); a few small ones go through inductor. `CBOPT_SLOW=1` runs them all."""
+foreach is checked bit for bit over 100 steps. Compiling is slow on CPU, so most compiled-chain checks trace with
+torch.compile's `aot_eager` backend (the same dynamo graph, without inductor's codegen) over 30 steps, and three
+small chains go through inductor; `CBOPT_SLOW=1` runs every optimizer both ways."""
 import os
 import warnings
 
@@ -12,7 +14,7 @@ from torch import nn
 
 import cbopt
 from cbopt import backends
-from conftest import PREBUILT, assert_rel_close, make_model, set_grads, train, two_groups
+from conftest import PREBUILT, assert_rel_close, make_model, train, two_groups
 
 STEPS = 100
 SLOW = bool(os.environ.get('CBOPT_SLOW'))
@@ -48,20 +50,17 @@ USER = {'lion': lambda ps, lr, backend: cbopt.Optimizer(ps, [cbopt.weight_decay,
 
 
 def build(name: str, ps, lr: float, backend: str):
+    "A prebuilt optimizer of conftest's `PREBUILT` (or a chain of `USER`) on `ps`, stepping with `backend`."
     if name in USER: return USER[name](ps, lr, backend)
-    return PREBUILT[name](cbopt, ps, lr) if backend is None else _with_backend(PREBUILT[name](cbopt, ps, lr), backend)
-
-
-def _with_backend(opt, backend):
+    opt = PREBUILT[name](cbopt, ps, lr)
     opt.backend = backend
     return opt
 
 
-def run_vs_loop(name: str, backend: str, lr: float = 3e-2, steps: int = STEPS, rtol: float = 1e-6, setup=None):
+def run_vs_loop(name: str, backend: str, lr: float = 3e-2, steps: int = STEPS, rtol: float = 1e-6):
     "Train with `backend` and with the loop side by side, checking params after every step."
     ours, ref = make_model(), make_model()
     opt, ref_opt = build(name, two_groups(ours), lr, backend), build(name, two_groups(ref), lr, 'loop')
-    if setup: setup(opt), setup(ref_opt)
     for i in range(steps):
         train(ref_opt, ref, 1, start=i)
         train(opt, ours, 1, start=i)
