@@ -368,7 +368,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set(title='Adam, GPT-2 set: peak memory a step adds', xlabel='% of param bytes')
     m = results['machine']
     fig.suptitle(f"cbopt bench{' (quick: tiny sizes)' if results['quick'] else ''}: {m['cpu']}, {m['cores']} cores, "
-                 f"torch {m['torch']} ({m['torch_threads']} thread(s)), fp32 (blue: cbopt)")
+                 f"torch {m['torch']}, torch threads: {m['torch_threads']}, fp32 (blue: cbopt)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
