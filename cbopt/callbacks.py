@@ -5,7 +5,8 @@ A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None`, as
 state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers.
 
 Callbacks are written once and run in every backend: the per-param loop passes tensors, a bucket backend passes
-a list-like stand-in for all the params of a bucket. So a callback uses tensor math (`torch.where`, `clamp`) rather
+a list-like stand-in for all the params of a bucket. Like torch.optim, they finish temporaries in place
+(`(v / d).sqrt_().add_(eps)`): the same float ops as `(v / d).sqrt() + eps`, with one temporary instead of three. So a callback uses tensor math (`torch.where`, `clamp`) rather
 than Python `if`s on tensor values; branching on hypers or on the step count (plain Python numbers) is fine.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     "Adam step from the debiased moments."
     debias1 = debias(mom, 1 - mom, step)
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
-    p.data.addcdiv_(grad_avg, (sqr_avg / debias2).sqrt() + eps, value=-lr / debias1)
+    p.data.addcdiv_(grad_avg, (sqr_avg / debias2).sqrt_().add_(eps), value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
 
 
@@ -106,8 +107,8 @@ def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs
     r = r_inf - 2 * step * sqr_mom ** step / (1 - sqr_mom ** step)
     if r > 5:
         v = math.sqrt(((r - 4) * (r - 2) * r_inf) / ((r_inf - 4) * (r_inf - 2) * r))
-        denom = (sqr_avg / debias2).sqrt()
-        if eps: denom = denom + eps
+        denom = (sqr_avg / debias2).sqrt_()
+        if eps: denom.add_(eps)
         if beta: denom = F.softplus(denom, beta)
         p.data.addcdiv_(grad_avg, denom, value=-lr * v / debias1)
     else: p.data.add_(grad_avg, alpha=-lr / debias1)
@@ -120,7 +121,7 @@ def qhadam_step(p, lr, mom, sqr_mom, sqr_avg, nu_1, nu_2, step, grad_avg, eps, *
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
     g = p.grad.data
     p.data.addcdiv_(((1 - nu_1) * g) + (nu_1 * (grad_avg / debias1)),
-                    (((1 - nu_2) * g ** 2) + (nu_2 * (sqr_avg / debias2))).sqrt() + eps,
+                    (((1 - nu_2) * g ** 2) + (nu_2 * (sqr_avg / debias2))).sqrt_().add_(eps),
                     value=-lr)
 qhadam_step.defaults = dict(eps=1e-8, nu_1=0.7, nu_2=1.0)
 
@@ -143,7 +144,7 @@ def lamb_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     debias1 = debias(mom, 1 - mom, step)
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
     r1 = p.data.pow(2).mean().sqrt()
-    update = (grad_avg / debias1) / ((sqr_avg / debias2).sqrt() + eps)
+    update = (grad_avg / debias1).div_((sqr_avg / debias2).sqrt_().add_(eps))
     r2 = update.pow(2).mean().sqrt()
     q = torch.where((r1 == 0) | (r2 == 0), 1., (r1 / r2).clamp(max=10))
     p.data.sub_(update * (lr * q))

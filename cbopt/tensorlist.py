@@ -8,7 +8,6 @@ once, so `bool(tl)` raises `BucketError`, which the backends catch to run that b
 """
 from __future__ import annotations
 
-import sys
 from numbers import Number
 from typing import Any
 
@@ -22,37 +21,6 @@ class BucketError(TypeError):
 
 
 def _fe(name: str): return getattr(torch, f'_foreach_{name}')
-
-
-# Temporaries: `(v / d).sqrt() + eps` would allocate three bucket-sized lists; when the list an op is called on was
-# just made by another op (marked `_fresh`) and nothing else refers to it, the op runs in place on it instead, as
-# numpy elides temporaries. The reference counts of a temporary and of a named list are measured here, not assumed.
-def _refs(o) -> int: return sys.getrefcount(o)
-
-def _take(tl, refs: int, *args) -> int: return refs
-
-class _Probe(list):  # the same call shapes as TensorList's ops: `self._op(..., _reusable(self, _refs(self), ...))`
-    def _echo(self, refs): return refs
-    def method(self): return self._echo(_take(self, _refs(self), 0))
-    def __add__(self, o): return self._echo(_take(self, _refs(self), 0))
-
-_named = _Probe()
-_METHOD_TEMP, _OP_TEMP = _Probe().method(), _Probe() + 0
-_ELIDE = _METHOD_TEMP < _named.method() and _OP_TEMP < _named + 0
-del _named
-
-
-def _fresh(res) -> TensorList:
-    "A TensorList of new tensors that only the caller holds."
-    out = TensorList(res)
-    out._fresh = True
-    return out
-
-
-def _reusable(tl: TensorList, refs: int, limit: int, other: Any = 0) -> bool:
-    "Whether `tl` is a temporary a float op with a Python number can overwrite (same shape and dtype as the result)."
-    return (_ELIDE and refs <= limit and isinstance(other, (int, float)) and tl.__dict__.get('_fresh', False)
-            and tl[0].is_floating_point())
 
 
 def _ts(o: Any) -> list:
@@ -126,25 +94,21 @@ class TensorList(list):
             other = TensorList([other] * len(self))  # ops without a single-tensor overload
         if isinstance(other, TensorList) and name in ('add', 'sub'): res = fn(list(self), list(other), alpha=alpha)
         else: res = fn(list(self), _ts(_scaled(other, alpha) if name in ('add', 'sub') else other))
-        return self if inplace else _fresh(res)
+        return self if inplace else TensorList(res)
 
-    def add(self, other, alpha=1): return self._binary('add', other, _reusable(self, _refs(self), _METHOD_TEMP, other), alpha)
+    def add(self, other, alpha=1): return self._binary('add', other, False, alpha)
     def add_(self, other, alpha=1): return self._binary('add', other, True, alpha)
-    def sub(self, other, alpha=1): return self._binary('sub', other, _reusable(self, _refs(self), _METHOD_TEMP, other), alpha)
+    def sub(self, other, alpha=1): return self._binary('sub', other, False, alpha)
     def sub_(self, other, alpha=1): return self._binary('sub', other, True, alpha)
-    def mul(self, other): return self._binary('mul', other, _reusable(self, _refs(self), _METHOD_TEMP, other))
+    def mul(self, other): return self._binary('mul', other, False)
     def mul_(self, other): return self._binary('mul', other, True)
-    def div(self, other): return self._binary('div', other, _reusable(self, _refs(self), _METHOD_TEMP, other))
+    def div(self, other): return self._binary('div', other, False)
     def div_(self, other): return self._binary('div', other, True)
-    def pow(self, other): return self._binary('pow', other, _reusable(self, _refs(self), _METHOD_TEMP, other))
+    def pow(self, other): return self._binary('pow', other, False)
     def pow_(self, other): return self._binary('pow', other, True)
     def maximum(self, other): return self._binary('maximum', other, False)
     def minimum(self, other): return self._binary('minimum', other, False)
-    def _unary(self, name: str, reuse: bool):
-        if reuse and hasattr(torch, f'_foreach_{name}_'):
-            _fe(name + '_')(list(self))
-            return self
-        return _fresh(_fe(name)(list(self)))
+    def _unary(self, name: str) -> TensorList: return TensorList(_fe(name)(list(self)))
 
     def lerp(self, end, weight): return TensorList(torch._foreach_lerp(list(self), list(end), _ts(weight)))
     def lerp_(self, end, weight):
@@ -193,11 +157,11 @@ class TensorList(list):
         return TensorList(torch._foreach_norm(list(self), p))
 
     # -- operators -----------------------------------------------------------------------------------------------
-    def __add__(self, o): return self._binary('add', o, _reusable(self, _refs(self), _OP_TEMP, o))
-    def __mul__(self, o): return self._binary('mul', o, _reusable(self, _refs(self), _OP_TEMP, o))
-    def __sub__(self, o): return self._binary('sub', o, _reusable(self, _refs(self), _OP_TEMP, o))
-    def __truediv__(self, o): return self._binary('div', o, _reusable(self, _refs(self), _OP_TEMP, o))
-    def __pow__(self, o): return self._binary('pow', o, _reusable(self, _refs(self), _OP_TEMP, o))
+    def __add__(self, o): return self._binary('add', o, False)
+    def __mul__(self, o): return self._binary('mul', o, False)
+    def __sub__(self, o): return self._binary('sub', o, False)
+    def __truediv__(self, o): return self._binary('div', o, False)
+    def __pow__(self, o): return self._binary('pow', o, False)
     __radd__, __rmul__ = __add__, __mul__
     def __iadd__(self, o): return self.add_(o)
     def __isub__(self, o): return self.sub_(o)
@@ -226,7 +190,7 @@ class TensorList(list):
 
 
 def _unary(name: str):
-    def op(self): return self._unary(name, _reusable(self, _refs(self), _METHOD_TEMP))
+    def op(self): return self._unary(name)
     def op_(self):
         _fe(name + '_')(list(self))
         return self
