@@ -188,8 +188,8 @@ def chain_sig(cbs) -> tuple: return tuple(_cb_sig(cb) for cb in cbs)
 
 @functools.cache
 def _adamw_sig() -> tuple:
-    from .callbacks import adam_step, average_grad, average_sqr_grad, step_stat, weight_decay
-    return chain_sig([weight_decay, functools.partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step])
+    from .optimizers import adam_chain
+    return chain_sig(adam_chain())
 
 
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)

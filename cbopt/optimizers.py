@@ -1,6 +1,7 @@
 """Prebuilt optimizers: each is a list of callbacks, with fastai's names, hyper names and defaults."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -9,12 +10,17 @@ from .callbacks import (adam_step, average_grad, average_sqr_grad, dampened_grad
                         rms_prop_step, sgd_step, step_stat, weight_decay)
 from .optimizer import Optimizer
 
-__all__ = ['SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
+__all__ = ['adam_chain', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
 
 
 def _decay(decouple_wd: bool) -> list:
     "Decoupled weight decay (AdamW-style) or L2 regularization (torch's `weight_decay`)."
     return [weight_decay] if decouple_wd else [l2_reg]
+
+
+def adam_chain(step: Callable = adam_step, decouple_wd: bool = True) -> list:
+    "The callbacks of Adam and its relatives (RAdam, Lamb): decay, both moments, the step count, then `step`."
+    return _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, step]
 
 
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
@@ -38,15 +44,15 @@ def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: flo
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0.01, decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "Adam; with `decouple_wd=True` (the default) this is AdamW."
-    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+    return Optimizer(params, adam_chain(adam_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     backend=backend)
 
 
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
           wd: float = 0., beta: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator)."
-    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, radam_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, beta=beta, backend=backend)
+    return Optimizer(params, adam_chain(radam_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, beta=beta,
+                     backend=backend)
 
 
 def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: float = 0.999, nu_1: float = 0.7,
@@ -67,8 +73,8 @@ def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = T
 def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
     "LAMB: Adam with a layer-wise trust ratio."
-    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, lamb_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+    return Optimizer(params, adam_chain(lamb_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     backend=backend)
 
 
 def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
