@@ -164,11 +164,31 @@ def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
                    "control flow on a tensor value); its buckets run param by param")
         _loop_bucket(opt, b, hyper)
         return False
-    p, state = stand_in(b), bucket_state(b)
-    before = dict(state)
-    _run_chain(opt.cbs, p, state, hyper)
-    write_state(b, before, state)
+    for chunk in cache_chunks(b):
+        p, state = stand_in(chunk), bucket_state(chunk)
+        before = dict(state)
+        _run_chain(opt.cbs, p, state, hyper)
+        write_state(chunk, before, state)
     return True
+
+
+FOREACH_CHUNK_BYTES = 4 << 20  # on CPU: about what stays in cache between the chain's ops
+
+
+def cache_chunks(b: Bucket) -> list[Bucket]:
+    """On CPU, `b` split into runs of params of about `FOREACH_CHUNK_BYTES` (a larger param alone), so that the chain's
+    next op finds the previous op's tensors still in cache instead of streaming the whole bucket from memory once per
+    op; the same ops on the same tensors, so results do not change. Accelerators take the bucket whole (one launch)."""
+    if b.params[0].device.type != 'cpu': return [b]
+    chunks, start, size = [], 0, 0
+    for i, p in enumerate(b.params):
+        n = p.numel() * p.element_size()
+        if i > start and size + n > FOREACH_CHUNK_BYTES:
+            chunks.append(Bucket(b.group, b.params[start:i], b.states[start:i]))
+            start, size = i, 0
+        size += n
+    chunks.append(Bucket(b.group, b.params[start:], b.states[start:]))
+    return chunks
 
 
 def step_foreach(opt: Optimizer) -> None:

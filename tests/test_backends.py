@@ -254,3 +254,16 @@ def test_wrappers_keep_the_backend():
     assert cbopt.Lookahead(cbopt.SGD(ps, backend='loop')).backend == 'loop'
     assert cbopt.ranger(ps, backend='fused').backend == 'fused'
     assert cbopt.Adam(ps).backend == 'auto'
+
+
+@pytest.mark.parametrize('name', ['adam', 'lamb', 'ranger', 'sgd-mom'])
+def test_foreach_runs_cpu_buckets_in_cache_sized_chunks(name, monkeypatch):
+    "A CPU bucket larger than FOREACH_CHUNK_BYTES runs chunk by chunk (cache reuse between ops): still bit-exact."
+    monkeypatch.setattr(backends, 'FOREACH_CHUNK_BYTES', 100)
+    model = make_model()
+    opt = build(name, two_groups(model), 3e-2, 'foreach')
+    set_grads(model, 0)
+    sizes = [[p.numel() * p.element_size() for p in c.params] for b in backends.buckets(opt) for c in backends.cache_chunks(b)]
+    assert len(sizes) > len(backends.buckets(opt))
+    assert all(len(c) == 1 or sum(c) <= 100 for c in sizes)
+    run_vs_loop(name, 'foreach', rtol=0)
