@@ -14,7 +14,7 @@ from torch import nn
 
 import cbopt
 from cbopt import backends
-from conftest import PREBUILT, assert_rel_close, make_model, train, two_groups
+from conftest import PREBUILT, assert_rel_close, make_model, set_grads, train, two_groups
 
 STEPS = 100
 SLOW = bool(os.environ.get('CBOPT_SLOW'))
