@@ -103,7 +103,9 @@ def write_state(b: Bucket, before: dict, after: dict) -> None:
 
 # -- per-optimizer runtime memory (kept off the optimizer, so that pickling and deepcopy never see it) ------------
 class _Runtime:
-    def __init__(self): self.warned, self.seen, self.no_compile, self.auto_times = set(), set(), set(), {}
+    def __init__(self):
+        self.warned, self.seen, self.no_compile, self.auto_times = set(), set(), set(), {}
+        self.per_param = set()  # bucket layouts whose chain failed the probe: they run param by param
 
 _RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -157,8 +159,13 @@ def probe(cbs, b: Bucket, hyper: Mapping) -> Callable | None:
 def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
     """Run the chain once on bucket `b`, or per param (with a one-time warning) if a callback cannot run bucket-wise.
     Returns whether it ran bucket-wise."""
+    rt, layout = _runtime(opt), (id(b.group), b.layout)
+    if layout in rt.per_param:  # failed its probe before: the loop is always right, so don't probe every step again
+        _loop_bucket(opt, b, hyper)
+        return False
     bad = probe(opt.cbs, b, hyper)
     if bad is not None:
+        rt.per_param.add(layout)
         name = _optimizer.cb_name(bad)
         _warn_once(opt, ('fallback', name), f"callback {name!r} cannot run on a whole bucket of params (e.g. Python "
                    "control flow on a tensor value); its buckets run param by param")

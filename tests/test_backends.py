@@ -267,3 +267,20 @@ def test_foreach_runs_cpu_buckets_in_cache_sized_chunks(name, monkeypatch):
     assert len(sizes) > len(backends.buckets(opt))
     assert all(len(c) == 1 or sum(c) <= 100 for c in sizes)
     run_vs_loop(name, 'foreach', rtol=0)
+
+
+def test_fallback_probes_a_layout_once(monkeypatch):
+    "After a bucket layout fails its probe, later steps go straight to the per-param loop (no probe per step)."
+    calls = []
+    real = backends.probe
+    monkeypatch.setattr(backends, 'probe', lambda *a: calls.append(1) or real(*a))
+    ours, ref = make_model(), make_model()
+    make = lambda m, be: cbopt.Optimizer(two_groups(m), [cbopt.weight_decay, grad_avg_then_branch, cbopt.momentum_step],
+                                         backend=be, lr=1e-2, wd=0.1)
+    opt, ref_opt = make(ours, 'foreach'), make(ref, 'loop')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for i in range(5):
+            train(ref_opt, ref, 1, start=i), train(opt, ours, 1, start=i)
+            assert_rel_close(ours, ref, rtol=0)
+    assert len(calls) == len(backends.buckets(opt))
