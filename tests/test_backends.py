@@ -283,4 +283,5 @@ def test_fallback_probes_a_layout_once(monkeypatch):
         for i in range(5):
             train(ref_opt, ref, 1, start=i), train(opt, ours, 1, start=i)
             assert_rel_close(ours, ref, rtol=0)
-    assert len(calls) == len(backends.buckets(opt))
+            if i == 1: after_two = len(calls)  # layouts: stateless on step 1, with `grad_avg` from step 2 on
+    assert after_two == 2 * len(backends.buckets(opt)) and len(calls) == after_two
