@@ -125,7 +125,7 @@ def _warn_once(opt, key, msg: str) -> None:
 def step_loop(opt: Optimizer) -> None:
     "The reference: every callback once per param with a grad."
     for g in opt.param_groups:
-        hyper = Hypers(g)
+        hyper = Hypers(g).snapshot()
         for p in g['params']:
             if p.grad is not None: _run_chain(opt.cbs, p, opt.state[p], hyper)
 
@@ -200,7 +200,7 @@ def cache_chunks(b: Bucket) -> list[Bucket]:
 
 def step_foreach(opt: Optimizer) -> None:
     "Each callback once per bucket, its tensor ops spread over the bucket by `torch._foreach_*` kernels."
-    for b in buckets(opt): foreach_bucket(opt, b, Hypers(b.group))
+    for b in buckets(opt): foreach_bucket(opt, b, Hypers(b.group).snapshot())
 
 
 # -- fused: torch's own kernels ------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
 
 def step_fused(opt: Optimizer) -> None:
     "The whole chain as one pass per bucket (vertical fusion): torch's fused kernel or the compiled chain."
-    for b in buckets(opt): fused_bucket(opt, b, Hypers(b.group))
+    for b in buckets(opt): fused_bucket(opt, b, Hypers(b.group).snapshot())
 
 
 # -- auto ------------------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def step_auto(opt: Optimizer) -> None:
     "Each bucket with the runner `pick_runner` chooses."
     rt = _runtime(opt)
     for b in buckets(opt):
-        name, run = pick_runner(opt, b, Hypers(b.group))
+        name, run = pick_runner(opt, b, Hypers(b.group).snapshot())
         times = rt.auto_times.get((id(b.group), b.layout))
         if name == 'kernel' or times is None or len(times[name]) >= AUTO_TRIALS: run()
         else:

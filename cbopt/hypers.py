@@ -73,6 +73,10 @@ class Hypers(MutableMapping):
     def __repr__(self) -> str: return repr(dict(self))
     def __eq__(self, o) -> bool: return dict(self) == (dict(o) if isinstance(o, Mapping) else o)
 
+    def snapshot(self) -> dict:
+        "The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback."
+        return {k: v for k, v in self.group.items() if self._is_hyper(k)}
+
 
 def expand_hyper(k: str, v: Any, n: int) -> list:
     """One value of hyper `k` per group, as fastai's `set_hyper` does: a scalar is repeated, a list/tuple/array
