@@ -291,38 +291,34 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return '\n'.join([line(header), '|' + '|'.join('-' * (w + 2) for w in widths) + '|', *map(line, rows)])
 
 
-def adam_rows(case: dict, bw: float | None, mem: dict) -> tuple[list[str], list[list[str]]]:
-    res, nbytes = case['results'], case['numel'] * ADAM_BYTES
-    header = ['optimizer', 'step ms', 'best ms', '/ torch fused', '/ torch foreach', '/ torch loop', 'fastai speedup',
-              'GB/s', '% of bw', 'peak mem % params', 'first step s']
-    rows = []
+def _rows(case: dict, per_param_bytes: int, header: list[str], cells) -> tuple[list[str], list[list[str]]]:
+    "One table row per contender: name, step times, then `cells(name, result, GB/s)`; errors as short messages."
+    res, nbytes, rows = case['results'], case['numel'] * per_param_bytes, []
     for name, r in res.items():
         if 'error' in r:
             rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
             continue
-        gbs = nbytes / r['median_s'] / 1e9
         rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), fmt(min(r['times']) * 1e3, '.1f'),
-                     *[fmt(paired(res, name, ref), '.2f', 'x') for ref in
-                     ('torch fused', 'torch foreach', 'torch loop')], fmt(paired(res, 'fastai', name), '.2f', 'x'),
-                     fmt(gbs, '.1f'), fmt(gbs / bw * 100 if bw else None, '.0f', '%'),
-                     fmt(mem.get(name), '.1f', '%'), fmt(r['first_s'], '.2f')])
+                     *cells(name, r, nbytes / r['median_s'] / 1e9)])
     return header, rows
+
+
+def adam_rows(case: dict, bw: float | None, mem: dict) -> tuple[list[str], list[list[str]]]:
+    res = case['results']
+    header = ['optimizer', 'step ms', 'best ms', '/ torch fused', '/ torch foreach', '/ torch loop', 'fastai speedup',
+              'GB/s', '% of bw', 'peak mem % params', 'first step s']
+    return _rows(case, ADAM_BYTES, header, lambda name, r, gbs: [
+        *[fmt(paired(res, name, ref), '.2f', 'x') for ref in ('torch fused', 'torch foreach', 'torch loop')],
+        fmt(paired(res, 'fastai', name), '.2f', 'x'), fmt(gbs, '.1f'), fmt(gbs / bw * 100 if bw else None, '.0f', '%'),
+        fmt(mem.get(name), '.1f', '%'), fmt(r['first_s'], '.2f')])
 
 
 def lion_rows(case: dict, bw: float | None) -> tuple[list[str], list[list[str]]]:
-    res, nbytes = case['results'], case['numel'] * LION_BYTES
+    res = case['results']
     header = ['optimizer', 'step ms', 'best ms', 'speedup vs loop', 'GB/s', '% of bw', 'first step s', 'warm-up extra s']
-    rows = []
-    for name, r in res.items():
-        if 'error' in r:
-            rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
-            continue
-        gbs = nbytes / r['median_s'] / 1e9
-        rows.append([name, fmt(r['median_s'] * 1e3, '.1f'), fmt(min(r['times']) * 1e3, '.1f'),
-                     fmt(paired(res, 'cbopt loop', name), '.2f', 'x'),
-                     fmt(gbs, '.1f'), fmt(gbs / bw * 100 if bw else None, '.0f', '%'),
-                     fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
-    return header, rows
+    return _rows(case, LION_BYTES, header, lambda name, r, gbs: [
+        fmt(paired(res, 'cbopt loop', name), '.2f', 'x'), fmt(gbs, '.1f'),
+        fmt(gbs / bw * 100 if bw else None, '.0f', '%'), fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
 
 
 def report(results: dict) -> str:
