@@ -170,7 +170,7 @@ class Optimizer(torch.optim.Optimizer):
         any param (the chain runs on a copy). Step counters then read 1, as after torchrec's and DCP's init."""
         for g in self.param_groups:
             for p in g['params']:
-                if not named_state.algo_keys(self.state.get(p, {})):
+                if not named_state.split_flags(self.state.get(p, {}))[0]:
                     self.state[p].update(named_state.first_step_state(self, p, g))
 
     # -- stepping ------------------------------------------------------------------------------------------------
@@ -205,8 +205,7 @@ class Optimizer(torch.optim.Optimizer):
             if res is not None: state_dict = res
         new_state, new_hypers = named_state.prepare_load(self, state_dict, fresh_ok=fastai_frame('load_model') is not None)
         for p in self.params:  # commit: nothing below can fail
-            flags = {k: v for k, v in self.state.get(p, {}).items() if k in FLAGS}
-            self.state[p] = {**new_state[p], **flags}
+            self.state[p] = {**new_state[p], **named_state.split_flags(self.state.get(p, {}))[1]}
         for g, h in zip(self.param_groups, new_hypers): g.update(h)
         for hook in self._optimizer_load_state_dict_post_hooks.values(): hook(self)
 

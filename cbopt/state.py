@@ -17,7 +17,7 @@ from .hypers import NOT_HYPERS, Hypers, _plain
 
 if TYPE_CHECKING: from .optimizer import Optimizer
 
-__all__ = ['FLAGS', 'algo_keys', 'first_step_state', 'named_state_dict', 'prepare_load', 'to_named']
+__all__ = ['FLAGS', 'split_flags', 'first_step_state', 'named_state_dict', 'prepare_load', 'to_named']
 
 FLAGS = ('do_wd', 'force_train')  # per-param settings that live in `state[p]` but are not algorithm state
 
@@ -27,9 +27,11 @@ TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'weight_decay': 'wd', 'momentum': 
                     'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr'}
 
 
-def algo_keys(state: Mapping) -> set:
-    "The algorithm state keys of a param's state (its flags left out)."
-    return {k for k in state if k not in FLAGS}
+def split_flags(state: Mapping) -> tuple[dict, dict]:
+    "A param's state as (algorithm state, flags): the flags are settings of the optimizer, not what a step computes."
+    algo, flags = {}, {}
+    for k, v in state.items(): (flags if k in FLAGS else algo)[k] = v
+    return algo, flags
 
 
 def first_step_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
@@ -38,9 +40,9 @@ def first_step_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
     with torch.no_grad():
         q = p.detach().clone()
         q.grad = torch.zeros_like(q)
-        st = {k: v for k, v in opt.state.get(p, {}).items() if k in FLAGS}
+        st = split_flags(opt.state.get(p, {}))[1]
         run_chain(opt.cbs, q, st, Hypers(group))
-    return {k: v for k, v in st.items() if k not in FLAGS}
+    return split_flags(st)[0]
 
 
 def named_state_dict(opt: Optimizer) -> dict:
@@ -102,9 +104,9 @@ def _from_fastai(opt: Optimizer, sd: Mapping) -> dict:
         if len(slow) != len(opt.params):
             raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, "
                              f"this optimizer has {len(opt.params)}")
-        stateless = not any(algo_keys(s) for s in states)  # e.g. Lookahead over plain SGD: slow weights are all
+        stateless = not any(split_flags(s)[0] for s in states)  # e.g. Lookahead over plain SGD: slow weights are all
         for n, s, w in zip(opt.param_names, states, slow):
-            if stateless or algo_keys(s): state.setdefault(n, {}).update(slow_p=w, la_step=int(sd['count']))
+            if stateless or split_flags(s)[0]: state.setdefault(n, {}).update(slow_p=w, la_step=int(sd['count']))
     groups = [{**dict(h), 'params': list(g['param_names'])} for h, g in zip(hypers, opt.param_groups)]
     return {'state': state, 'param_groups': groups}
 
@@ -164,12 +166,12 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
     names = set(opt.param_names)
     for n in their_state:
         if n not in names: raise KeyError(f"unknown param {n!r} in the state_dict's state: this optimizer has no such param")
-    fresh = fresh_ok and not any(algo_keys(dict(s)) for s in their_state.values())
+    fresh = fresh_ok and not any(split_flags(s)[0] for s in their_state.values())
     new_state, expected_cache = {}, {}
     for gi, g in enumerate(opt.param_groups):
         for name, p in zip(g['param_names'], g['params']):
-            ck = {k: v for k, v in dict(their_state.get(name, {})).items() if k not in FLAGS}
-            cur = {k: v for k, v in opt.state.get(p, {}).items() if k not in FLAGS}
+            ck = split_flags(their_state.get(name, {}))[0]
+            cur, flags = split_flags(opt.state.get(p, {}))
             if cur and not ck and not fresh:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")
@@ -178,8 +180,7 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                 continue
             if cur: expected = cur
             else:
-                flags = tuple(sorted((k, v) for k, v in opt.state.get(p, {}).items() if k in FLAGS))
-                key = (gi, p.shape, p.dtype, p.device, flags)
+                key = (gi, p.shape, p.dtype, p.device, tuple(sorted(flags.items())))
                 if key not in expected_cache: expected_cache[key] = first_step_state(opt, p, g)
                 expected = expected_cache[key]
             if set(ck) != set(expected):
