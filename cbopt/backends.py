@@ -380,9 +380,9 @@ def pick_runner(opt, b: Bucket, hyper: Mapping) -> tuple[str, Callable]:
     1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW on fp32/fp64): the fastest there is;
     2. on an accelerator, foreach: one kernel launch per op for the bucket instead of one per param;
     3. on CPU, foreach or loop, whichever was faster over `AUTO_TRIALS` timed steps each of this bucket layout.
-       Measured here (1 thread): foreach is 1.4-3x faster than the loop for Adam/RAdam/SGD-like chains, but a chain
-       that builds bucket-sized temporaries (Lion's `sign(lerp(...))`) can be slower than the loop, whose small
-       per-param temporaries the allocator recycles. Both are exact, so trying each costs nothing in results.
+       Measured here (1 thread, README benchmark): on many small params foreach is ~1.9x faster (less Python per
+       param); on GPT-2's large params the two are within ~10% either way, as both are memory-bound, and which wins
+       depends on the chain. Both are exact, so trying each costs nothing in results.
     The compiled chain is never picked: its first compile costs seconds to a minute; ask for `backend='fused'`."""
     if (kernel := torch_kernel(opt, b, hyper)) is not None: return 'kernel', kernel
     if b.params[0].device.type != 'cpu': return 'foreach', functools.partial(foreach_bucket, opt, b, hyper)
