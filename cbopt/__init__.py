@@ -10,4 +10,5 @@ from .optimizers import *
 from .optimizers import __all__ as _optimizers_all
 from .tensorlist import BucketError, TensorList
 
-__all__ = ['Optimizer', 'cb_defaults', 'Hypers', 'ParamGroup', 'BACKENDS', 'TensorList', 'BucketError', *_callbacks_all, *_optimizers_all]
+__all__ = ['Optimizer', 'cb_defaults', 'Hypers', 'ParamGroup', 'BACKENDS', 'TensorList', 'BucketError',
+           *_callbacks_all, *_optimizers_all]

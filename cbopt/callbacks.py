@@ -5,9 +5,11 @@ A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None`, as
 state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers.
 
 Callbacks are written once and run in every backend: the per-param loop passes tensors, a bucket backend passes
-a list-like stand-in for all the params of a bucket. Like torch.optim, they finish temporaries in place
-(`(v / d).sqrt_().add_(eps)`): the same float ops as `(v / d).sqrt() + eps`, with one temporary instead of three. So a callback uses tensor math (`torch.where`, `clamp`) rather
+a list-like stand-in for all the params of a bucket. So a callback uses tensor math (`torch.where`, `clamp`) rather
 than Python `if`s on tensor values; branching on hypers or on the step count (plain Python numbers) is fine.
+
+Like torch.optim, callbacks finish their temporaries in place: `(v / d).sqrt_().add_(eps)` does the same float ops
+as `(v / d).sqrt() + eps` (so results stay bit-exact with fastai's) with one temporary instead of three.
 """
 from __future__ import annotations
 
