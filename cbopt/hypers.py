@@ -6,8 +6,9 @@ they can never drift apart. torch's names for fastai hypers (`momentum` for `mom
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
-from numbers import Number
+import math
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from numbers import Integral, Number, Real
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 from fastcore.basics import even_mults
 from fastcore.foundation import L
 
-__all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'NOT_HYPERS', 'ALIASES']
+__all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
+           'ALIASES']
 
 NOT_HYPERS = ('params', 'param_names')  # group entries that are not hypers
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
@@ -29,7 +31,10 @@ def _plain(v: Any) -> Any:
 
 
 class ParamGroup(dict):
-    "A torch param group whose aliased keys (`momentum` and `mom`) always hold the same value."
+    """A torch param group whose aliased keys (`momentum` and `mom`) always hold the same value.
+    Writes are not validated (`check_hyper` runs where hypers are given: construction, `set_hyper`, new groups):
+    LR schedulers write `group['lr']` directly every step, as torch's do (torch never validates those writes), and
+    `load_state_dict` commits through here after checking everything, at a point where nothing may fail."""
     def __setitem__(self, k, v):
         v = _plain(v)
         canon = ALIASES.get(k, k)
@@ -78,19 +83,96 @@ class Hypers(MutableMapping):
         return {k: v for k, v in self.group.items() if self._is_hyper(k)}
 
 
+def _is_in(lo: float, hi: float | None = None, hi_open: bool = True) -> Callable[[Any], bool]:
+    "`lo <= v` and `v < hi` (or `v <= hi`), false for NaN (every comparison with NaN is)."
+    if hi is None: return lambda v: lo <= v
+    return (lambda v: lo <= v < hi) if hi_open else (lambda v: lo <= v <= hi)
+
+
+# name: (the message's start: torch's wording where torch has one; the valid values; a note; their test)
+HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
+    'lr':          ('Invalid learning rate', 'lr >= 0', '', _is_in(0)),
+    'eps':         ('Invalid epsilon value', 'eps >= 0', '', _is_in(0)),
+    'wd':          ('Invalid weight_decay value', 'wd >= 0', "wd is torch's weight_decay", _is_in(0)),
+    'mom':         ('Invalid momentum value', '0 <= mom < 1', "mom is torch's momentum, and betas[0] in Adam", _is_in(0, 1)),
+    'sqr_mom':     ('Invalid beta parameter at index 1', '0 <= sqr_mom < 1',
+                    "sqr_mom is torch's betas[1] in Adam, alpha in RMSprop", _is_in(0, 1)),
+    'dampening':   ('Invalid dampening value', '0 <= dampening <= 1', '', _is_in(0, 1, hi_open=False)),
+    'beta':        ('Invalid beta value', 'beta >= 0', "SAdam's softplus beta; 0 turns it off", _is_in(0)),
+    'nu_1':        ('Invalid nu_1 value', 'a number', '', _is_in(-math.inf)),
+    'nu_2':        ('Invalid nu_2 value', 'a number', '', _is_in(-math.inf)),
+    'trust_coeff': ('Invalid trust_coeff value', 'trust_coeff >= 0', '', _is_in(0)),
+    'alpha':       ('Invalid alpha value', '0 <= alpha <= 1', "Lookahead's step towards the fast weights",
+                    _is_in(0, 1, hi_open=False)),
+    'k':           ('Invalid k value', 'an int >= 1', "Lookahead's steps between syncs", _is_in(1)),
+}
+INT_HYPERS = ('k',)
+FLAG_HYPERS = ('nesterov', 'clip')  # on/off switches: bools only
+BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
+
+
+def _finite(v: Any) -> bool:
+    return bool(torch.isfinite(v).all()) if isinstance(v, torch.Tensor) else math.isfinite(v)
+
+
+def check_hyper(k: str, v: Any, group: int | None = None) -> None:
+    """Raise a clear error if `v` is not a valid value of hyper `k` (`momentum` is checked as `mom`).
+
+    The rules, by name (`HYPER_RULES`), so construction, `set_hyper`/`set_hypers` and new param groups share them:
+    - a known numeric hyper (`lr`, `eps`, `wd`, `mom`, `sqr_mom`, `dampening`, `beta`, `nu_1`, `nu_2`, `trust_coeff`,
+      `alpha`, `k`) is a real number (numpy scalars are made plain first) or a real 1-element tensor (a tensor lr),
+      never a string or None, nor a bool (but `dampening`, a flag in fastai's `average_grad`): else a TypeError
+      naming the hyper. It must be finite (NaN and inf are refused)
+      and in its range, else a ValueError worded as torch's (`Invalid learning rate: -0.001`) followed by the range.
+      The ranges are torch's (`lr`, `eps`, `wd` >= 0; `mom` and `sqr_mom` are Adam's betas: 0 <= beta < 1; torch's
+      SGD has no upper bound on momentum, but cbopt's `mom` also weighs moving averages, which a mom >= 1 makes
+      diverge), and for hypers torch does not have, the ones that keep the step meaningful. `k` is an int.
+    - a flag (`nesterov`, `clip`) is a bool.
+    - any other name (a user callback's own hyper) is only type-checked: a number, a tensor, a string or None.
+    - entries that are not hypers (`params`, `param_names`, a group's chain) cannot be set as hypers.
+    `group` (the group's index) is named in the message when given."""
+    if not isinstance(k, str): raise TypeError(f"hyper names are strings, got {k!r} ({type(k).__name__})")
+    if k in NOT_HYPERS: raise KeyError(f"{k!r} is not a hyper")
+    k = ALIASES.get(k, k)
+    where = '' if group is None else f' (group {group})'
+    if k in FLAG_HYPERS:
+        if not isinstance(v, bool): raise TypeError(f"hyper {k!r}{where} is a flag: True or False, got {v!r} ({type(v).__name__})")
+        return
+    if k not in HYPER_RULES:
+        if not isinstance(v, (Number, torch.Tensor, str, type(None))):
+            raise TypeError(f"hyper {k!r}{where} got a {type(v).__name__}: hypers are numbers (or 0-d tensors)")
+        return
+    start, rule, note, ok = HYPER_RULES[k]
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1: raise ValueError(f"Tensor {k} must be 1-element{where}, got shape {tuple(v.shape)}")
+        if v.dtype == torch.bool or v.is_complex() or (k in INT_HYPERS and v.is_floating_point()):
+            raise TypeError(f"hyper {k!r}{where} got a tensor of dtype {v.dtype}: expected a real number")
+    elif (isinstance(v, bool) and k not in BOOL_OK) or not isinstance(v, Integral if k in INT_HYPERS else Real):
+        kind = 'an int' if k in INT_HYPERS else 'a number (or a 1-element tensor)'
+        raise TypeError(f"hyper {k!r}{where} got a {type(v).__name__} ({v!r}): expected {kind}")
+    if not (_finite(v) and ok(v)): raise ValueError(f"{start}: {v}{where} (expected {rule}, finite{'; ' + note if note else ''})")
+
+
 def expand_hyper(k: str, v: Any, n: int) -> list:
     """One value of hyper `k` per group, as fastai's `set_hyper` does: a scalar is repeated, a list/tuple/array
-    gives one value per group, `slice(a, b)` is log-spaced from a to b, and `slice(None, b)` is `[b/10]*(n-1) + [b]`."""
+    gives one value per group, `slice(a, b)` is log-spaced from a to b, and `slice(None, b)` is `[b/10]*(n-1) + [b]`.
+    Every value is checked (`check_hyper`) before any is returned, so a caller that writes the result writes all or
+    nothing."""
+    if isinstance(k, str) and k in NOT_HYPERS: raise KeyError(f"{k!r} is not a hyper")
+    if isinstance(v, (set, frozenset)):
+        raise TypeError(f"hyper {k!r} got a {type(v).__name__}: a set has no order, give a list (one value per group)")
     if isinstance(v, slice):
+        for end in (v.start, v.stop):
+            if end is not None: check_hyper(k, _plain(end))
+        if v.stop is None or v.step is not None:
+            raise ValueError(f"hyper {k!r} got {v!r}: use slice(start, stop) or slice(stop) (fastai's discriminative values)")
         if v.start: v = even_mults(v.start, v.stop, n)
         else: v = [v.stop / 10] * (n - 1) + [v.stop]
     v = _plain(v)  # numpy scalars (fastai's schedules) have no len(): make them plain numbers first
-    if isinstance(v, torch.Tensor) and v.ndim == 0: v = [v]
+    if isinstance(v, (str, bytes, torch.Tensor)) and getattr(v, 'ndim', 0) == 0: v = [v]  # one value, not its items
     v = L(v, use_list=None)
     if len(v) == 1: v = v * n
     if len(v) != n: raise ValueError(f"Trying to set {len(v)} values for {k!r} but there are {n} parameter groups.")
     vals = [_plain(o) for o in v]
-    for o in vals:
-        if not isinstance(o, (Number, torch.Tensor, str, type(None))):
-            raise TypeError(f"hyper {k!r} got a {type(o).__name__}: hypers are numbers (or 0-d tensors)")
+    for i, o in enumerate(vals): check_hyper(k, o, i if n > 1 else None)
     return vals

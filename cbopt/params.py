@@ -10,8 +10,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
+
+from .hypers import ALIASES, NOT_HYPERS, check_hyper
 
 __all__ = ['named_groups', 'check_params', 'is_group_dict']
+
+# torch's own wording (torch/optim/optimizer.py), then why it matters here
+SET_MSG = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets will "
+           "change between runs. Please use a list instead. (cbopt names unnamed params by their position, so a set "
+           "would name a different param each run, and a checkpoint would load another param's state.)")
+MODULE_MSG = "pass model.parameters(), or model.named_parameters() to key the optimizer's state by param names"
 
 
 def is_group_dict(o: Any) -> bool:
@@ -23,72 +32,135 @@ def _is_named_pair(o: Any) -> bool:
     return isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
 
 
+def _is_param_like(o: Any) -> bool:
+    "A tensor, a (name, tensor) pair, or a pair that meant to be one (its name not a string): a param, not a group."
+    return isinstance(o, torch.Tensor) or _is_named_pair(o) or (
+        isinstance(o, tuple) and len(o) == 2 and isinstance(o[1], torch.Tensor))
+
+
+def _a(o: Any) -> str:
+    "'a float', 'an int': the type of `o` with its article."
+    n = type(o).__name__
+    return f"{'an' if n[0].lower() in 'aeiou' else 'a'} {n}"
+
+
+def _at(prefix: str) -> str: return f' at {prefix!r}' if prefix else ''
+
+
+def _check_form(o: Any, where: str) -> Any:
+    """Refuse the forms that are not params though they look iterable (or are a user's likely slip); return `o`,
+    with an `nn.ParameterDict` as a plain name -> param dict."""
+    if isinstance(o, (set, frozenset)): raise TypeError(f"params{where} is {_a(o)}: {SET_MSG}")
+    if isinstance(o, nn.ParameterDict): return dict(o.items())
+    if isinstance(o, nn.Module) and not isinstance(o, nn.ParameterList):  # a ParameterList is a list of params, as in torch
+        raise TypeError(f"params{where} is an nn.Module ({type(o).__name__}), not its parameters: {MODULE_MSG}")
+    if isinstance(o, Mapping) and hasattr(o, '_metadata') and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in o.values()):
+        raise TypeError(f"params{where} looks like a model.state_dict(): its tensors are detached copies, which never "
+                        f"get a grad, so nothing would train: {MODULE_MSG}")
+    return o
+
+
 def _flatten(params: Any, prefix: str) -> list[tuple[str | None, Any]]:
     "Flatten one group's `params` into (name or None, tensor) pairs; nested dicts join names with dots."
     if isinstance(params, torch.Tensor): return [(prefix or None, params)]
+    params = _check_form(params, _at(prefix))
     if isinstance(params, Mapping):
         if 'params' in params:
-            raise TypeError(f"a param group dict cannot be nested inside params{' at ' + repr(prefix) if prefix else ''}")
+            raise TypeError(f"a param group dict cannot be nested inside params{_at(prefix)}")
         out = []
         for k, v in params.items():
-            if not isinstance(k, str): raise TypeError(f"param names must be strings, got {k!r} ({type(k).__name__})")
+            if not isinstance(k, str) or not k:
+                raise TypeError(f"param names must be non-empty strings, got {k!r} ({type(k).__name__}){_at(prefix)}")
             out += _flatten(v, f'{prefix}.{k}' if prefix else k)
         return out
     if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
-        where = f' at {prefix!r}' if prefix else ''
-        raise TypeError(f"params{where} is a {type(params).__name__}, not a Tensor, a dict or an iterable of them")
+        raise TypeError(f"params{_at(prefix)} is {_a(params)}, not a Tensor, a dict or an iterable of them")
     out = []
     for i, o in enumerate(params):
-        if _is_named_pair(o): out += _flatten(o[1], f'{prefix}.{o[0]}' if prefix else o[0])
+        if _is_named_pair(o):
+            if not o[0]: raise TypeError(f"param names must be non-empty strings, got '' at position {i}{_at(prefix)}")
+            out += _flatten(o[1], f'{prefix}.{o[0]}' if prefix else o[0])
         # an unnamed tensor under a name (e.g. {"enc": enc.parameters()}) is named by its position there
         elif isinstance(o, torch.Tensor): out.append((f'{prefix}.{i}' if prefix else None, o))
-        elif isinstance(o, Mapping): out += _flatten(o, prefix)
+        elif isinstance(o, Mapping) or isinstance(o, (set, frozenset, nn.Module)): out += _flatten(o, prefix)
+        elif isinstance(o, tuple) and len(o) == 2 and isinstance(o[1], torch.Tensor):
+            raise TypeError(f"params{_at(prefix)} holds a (name, Tensor) pair at position {i} whose name is a "
+                            f"{type(o[0]).__name__} ({o[0]!r}): param names are strings")
         else:
-            where = f' at {prefix!r}' if prefix else ''
-            raise TypeError(f"params{where} holds a {type(o).__name__}, not a Tensor or a (name, Tensor) pair")
+            raise TypeError(f"params{_at(prefix)} holds {_a(o)} at position {i}, not a Tensor or a "
+                            f"(name, Tensor) pair")
     return out
 
 
 def _split_groups(params: Any) -> list[dict]:
     "Split top-level `params` into group dicts (not yet named)."
     if isinstance(params, torch.Tensor) or is_group_dict(params): params = [params]
-    elif isinstance(params, Mapping): return [{'params': params}]
-    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
-        raise TypeError(f"params is a {type(params).__name__}, not a Tensor, a dict or an iterable of them")
+    else:
+        params = _check_form(params, '')
+        if isinstance(params, Mapping): return [{'params': params}]
+        if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):  # torch's wording
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                            + torch.typename(params))
     items = list(params)
-    if not items: raise ValueError("optimizer got an empty parameter list")
+    if not items:
+        raise ValueError("optimizer got an empty parameter list (a generator such as model.parameters() gives its "
+                         "params only once: was it used before?)")
     if all(is_group_dict(o) for o in items): return [dict(o) for o in items]
     if any(is_group_dict(o) for o in items):
         raise TypeError("params mixes group dicts with other entries: give either all group dicts or none")
     # fastai splitter style: a list whose entries are collections of params (lists, name->param dicts,
     # named_parameters() generators) gives one group per entry; a (name, tensor) pair is a param, not a group
-    if all(not isinstance(o, torch.Tensor) and not _is_named_pair(o) for o in items):
-        return [{'params': o if isinstance(o, Mapping) else list(o)} for o in items]
+    if not any(_is_param_like(o) for o in items):
+        groups = []
+        for i, o in enumerate(items):
+            o = _check_form(o, f' at position {i}')
+            groups.append({'params': o if isinstance(o, Mapping) or not isinstance(o, Iterable) or isinstance(o, (str, bytes))
+                           else list(o)})
+        return groups
     return [{'params': items}]
 
 
 def named_groups(params: Any, start: int = 0) -> list[dict]:
     """Group dicts with `params` (tensors) and `param_names` (FQNs) from any accepted form of `params`.
-    Unnamed params get their position among all params (counting from `start`) as a stable name."""
+    Unnamed params get their position among all params (counting from `start`) as a stable name; a group dict's own
+    `param_names` (as torch's `param_groups` hold them) name its params."""
     groups, pos = [], start
-    for g in _split_groups(params):
+    for i, g in enumerate(_split_groups(params)):
         pairs = _flatten(g['params'], '')
-        names = []
-        for name, _ in pairs:
-            names.append(str(pos) if name is None else name)
-            pos += 1
+        names = [str(pos + j) if name is None else name for j, (name, _) in enumerate(pairs)]
+        if g.get('param_names') is not None:
+            given = list(g['param_names'])
+            if len(given) != len(pairs):
+                raise ValueError(f"param group {i} has {len(pairs)} params but {len(given)} param_names")
+            for n, (name, _) in zip(given, pairs):
+                if name is not None and name != n:
+                    raise ValueError(f"param group {i} names a param both {name!r} and {n!r} (in its param_names)")
+            names = given
+        pos += len(pairs)
         groups.append({**g, 'params': [t for _, t in pairs], 'param_names': names})
     return groups
 
 
+def check_group_hypers(g: Mapping, i: int) -> None:
+    "The hypers a group dict gives itself are checked as the optimizer's are (`cbopt.hypers.check_hyper`)."
+    for alias, canon in ALIASES.items():
+        if alias in g and canon in g and g[alias] != g[canon]:
+            raise ValueError(f"param group {i} gives both {canon!r} ({g[canon]!r}) and its torch name {alias!r} "
+                             f"({g[alias]!r}): give one")
+    for k, v in g.items():
+        if k not in NOT_HYPERS: check_hyper(k, v, i)
+
+
 def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = None) -> None:
-    "Raise a clear error naming the culprit for a non-tensor, non-leaf, duplicated or doubly named param."
+    """Raise a clear error naming the culprit for a non-tensor, non-leaf, duplicated or doubly named param, or a bad
+    hyper in a group dict."""
     seen_names = dict(known or {})
     seen_ids = {id(t): n for n, t in seen_names.items()}
     for i, g in enumerate(groups):
         for name, t in zip(g['param_names'], g['params']):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"param {name!r} (group {i}) is a {type(t).__name__}, not a Tensor")
+                raise TypeError(f"param {name!r} (group {i}) is {_a(t)}, not a Tensor")
             if not t.is_leaf and not t.retains_grad:
                 raise ValueError(f"param {name!r} (group {i}) is not a leaf tensor: optimize the tensor it was computed from")
             if id(t) in seen_ids:
@@ -96,3 +168,4 @@ def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = 
                                  "a param may appear only once, in one group")
             if name in seen_names: raise ValueError(f"duplicate param name {name!r} (group {i})")
             seen_names[name], seen_ids[id(t)] = t, name
+        check_group_hypers(g, i)
