@@ -197,8 +197,9 @@ def _unary(name: str):
     op.__name__, op_.__name__ = name, name + '_'
     return op, op_
 
-for _n in ('sqrt', 'rsqrt', 'exp', 'expm1', 'log', 'log1p', 'log2', 'log10', 'abs', 'neg', 'sign', 'reciprocal',
-           'sigmoid', 'tanh', 'sin', 'cos', 'erf', 'floor', 'ceil', 'round', 'trunc', 'frac'):
+UNARY_OPS = ('sqrt', 'rsqrt', 'exp', 'expm1', 'log', 'log1p', 'log2', 'log10', 'abs', 'neg', 'sign', 'reciprocal',
+             'sigmoid', 'tanh', 'sin', 'cos', 'erf', 'floor', 'ceil', 'round', 'trunc', 'frac')  # foreach kernels
+for _n in UNARY_OPS:
     _op, _op_ = _unary(_n)
     setattr(TensorList, _n, _op)
     if hasattr(torch, f'_foreach_{_n}_'): setattr(TensorList, _n + '_', _op_)
