@@ -90,8 +90,8 @@ class TensorList(list):
         if isinstance(other, TensorList) and len(other) != len(self): raise BucketError("TensorLists of different lengths")
         if not isinstance(other, (Number, torch.Tensor, TensorList)): return NotImplemented
         fn = _fe(name + '_' * inplace)
-        if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and name not in ('add', 'sub', 'mul', 'div'):
-            other = TensorList([other] * len(self))  # ops without a single-tensor overload
+        if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and (other.dim() or name not in ('add', 'mul', 'div')):
+            other = TensorList([other] * len(self))  # one tensor for every param: foreach takes a lone one only if 0-d, for add/mul/div
         if isinstance(other, TensorList) and name in ('add', 'sub'): res = fn(list(self), list(other), alpha=alpha)
         else: res = fn(list(self), _ts(_scaled(other, alpha) if name in ('add', 'sub') else other))
         return self if inplace else TensorList(res)
