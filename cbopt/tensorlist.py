@@ -28,11 +28,6 @@ def _ts(o: Any) -> list:
     return list(o) if isinstance(o, TensorList) else o
 
 
-def _scaled(o: Any, k: Any) -> Any:
-    "`o * k`, skipping the multiply when `k` is 1."
-    return o if isinstance(k, Number) and k == 1 else o * k
-
-
 def _zip_call(fn, args: tuple, kwargs: dict):
     "Call `fn` once per tensor of the TensorLists among `args`/`kwargs`; other arguments are passed to every call."
     n = next(len(a) for a in [*args, *kwargs.values()] if isinstance(a, TensorList))
@@ -92,8 +87,10 @@ class TensorList(list):
         fn = _fe(name + '_' * inplace)
         if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and (other.dim() or name not in ('add', 'mul', 'div')):
             other = TensorList([other] * len(self))  # one tensor for every param: foreach takes a lone one only if 0-d, for add/mul/div
-        if isinstance(other, TensorList) and name in ('add', 'sub'): res = fn(list(self), list(other), alpha=alpha)
-        else: res = fn(list(self), _ts(_scaled(other, alpha) if name in ('add', 'sub') else other))
+        scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)
+        if scaled and isinstance(other, Number):  # no foreach kernel takes a number and an alpha: torch's op per param
+            res = [getattr(t, name + '_' * inplace)(other, alpha=alpha) for t in self]
+        else: res = fn(list(self), _ts(other), **({'alpha': alpha} if scaled else {}))
         return self if inplace else TensorList(res)
 
     def add(self, other, alpha=1): return self._binary('add', other, False, alpha)

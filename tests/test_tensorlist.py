@@ -102,7 +102,6 @@ def test_binary(name: str, kind: str, inplace: bool, dtype: torch.dtype, request
 @pytest.mark.parametrize('name', ['add', 'sub'])
 def test_add_sub_alpha(name: str, kind: str, alpha, inplace: bool, dtype: torch.dtype, request) -> None:
     "`alpha` scales the operand exactly as torch.add/sub do (one rounding, in torch's op), whatever the operand."
-    known_bug(request, (kind == 'scalar' or (kind, name) == ('0d', 'add')) and alpha != -2, 'alpha with a number or 0-d operand')
     if alpha == 'tensor': alpha = torch.tensor(0.3, dtype=dtype)  # a 0-d tensor hyper (an lr given as a tensor)
     shapes = BROADCAST if kind == 'full' else SHAPES
     x = make(dtype, 0, shapes)
