@@ -21,6 +21,7 @@ class BucketError(TypeError):
 
 
 def _fe(name: str): return getattr(torch, f'_foreach_{name}')
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _ts(o: Any) -> list:
@@ -88,9 +89,12 @@ class TensorList(list):
         if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and (other.dim() or name not in ('add', 'mul', 'div')):
             other = TensorList([other] * len(self))  # one tensor for every param: foreach takes a lone one only if 0-d, for add/mul/div
         scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)
-        if scaled and isinstance(other, Number):  # no foreach kernel takes a number and an alpha: torch's op per param
-            res = [getattr(t, name + '_' * inplace)(other, alpha=alpha) for t in self]
-        else: res = fn(list(self), _ts(other), **({'alpha': alpha} if scaled else {}))
+        kw = {'alpha': alpha} if scaled else {}
+        # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and the in-place
+        # mul by a number rounds the number to a 16-bit float dtype first (Tensor.mul_ multiplies in float32)
+        if isinstance(other, Number) and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)):
+            res = [getattr(t, name + '_' * inplace)(other, **kw) for t in self]
+        else: res = fn(list(self), _ts(other), **kw)
         return self if inplace else TensorList(res)
 
     def add(self, other, alpha=1): return self._binary('add', other, False, alpha)
