@@ -169,10 +169,11 @@ def expand_hyper(k: str, v: Any, n: int) -> list:
         if v.start: v = even_mults(v.start, v.stop, n)
         else: v = [v.stop / 10] * (n - 1) + [v.stop]
     v = _plain(v)  # numpy scalars (fastai's schedules) have no len(): make them plain numbers first
-    if isinstance(v, (str, bytes, torch.Tensor)) and getattr(v, 'ndim', 0) == 0: v = [v]  # one value, not its items
+    if v is None or (isinstance(v, (str, bytes, torch.Tensor)) and getattr(v, 'ndim', 0) == 0): v = [v]  # one value
     v = L(v, use_list=None)
+    per_group = len(v) > 1  # then an error names the group of the bad value
     if len(v) == 1: v = v * n
     if len(v) != n: raise ValueError(f"Trying to set {len(v)} values for {k!r} but there are {n} parameter groups.")
     vals = [_plain(o) for o in v]
-    for i, o in enumerate(vals): check_hyper(k, o, i if n > 1 else None)
+    for i, o in enumerate(vals): check_hyper(k, o, i if per_group else None)
     return vals

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hypers import ALIASES, NOT_HYPERS, check_hyper
+from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, check_hyper
 
 __all__ = ['named_groups', 'check_params', 'is_group_dict']
 
@@ -75,7 +75,10 @@ def _flatten(params: Any, prefix: str) -> list[tuple[str | None, Any]]:
             out += _flatten(v, f'{prefix}.{k}' if prefix else k)
         return out
     if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
-        raise TypeError(f"params{_at(prefix)} is {_a(params)}, not a Tensor, a dict or an iterable of them")
+        hint = ''
+        if prefix.rpartition('.')[2] in (*HYPER_RULES, *ALIASES) and isinstance(params, (int, float)):
+            hint = f" (is {prefix.rpartition('.')[2]!r} a hyper of a group dict that has no 'params' entry?)"
+        raise TypeError(f"params{_at(prefix)} is {_a(params)}, not a Tensor, a dict or an iterable of them{hint}")
     out = []
     for i, o in enumerate(params):
         if _is_named_pair(o):
