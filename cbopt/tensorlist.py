@@ -97,18 +97,24 @@ class TensorList(list):
         else: res = fn(list(self), _ts(other), **kw)
         return self if inplace else TensorList(res)
 
-    def add(self, other, alpha=1): return self._binary('add', other, False, alpha)
-    def add_(self, other, alpha=1): return self._binary('add', other, True, alpha)
-    def sub(self, other, alpha=1): return self._binary('sub', other, False, alpha)
-    def sub_(self, other, alpha=1): return self._binary('sub', other, True, alpha)
-    def mul(self, other): return self._binary('mul', other, False)
-    def mul_(self, other): return self._binary('mul', other, True)
-    def div(self, other): return self._binary('div', other, False)
-    def div_(self, other): return self._binary('div', other, True)
-    def pow(self, other): return self._binary('pow', other, False)
-    def pow_(self, other): return self._binary('pow', other, True)
-    def maximum(self, other): return self._binary('maximum', other, False)
-    def minimum(self, other): return self._binary('minimum', other, False)
+    def _op(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
+        "`_binary` as a method: an operand it cannot take is a TypeError, as for a tensor (operators return NotImplemented)."
+        res = self._binary(name, other, inplace, alpha)
+        if res is NotImplemented: raise TypeError(f"TensorList.{name}{'_' * inplace}() cannot take a {type(other).__name__}")
+        return res
+
+    def add(self, other, alpha=1): return self._op('add', other, False, alpha)
+    def add_(self, other, alpha=1): return self._op('add', other, True, alpha)
+    def sub(self, other, alpha=1): return self._op('sub', other, False, alpha)
+    def sub_(self, other, alpha=1): return self._op('sub', other, True, alpha)
+    def mul(self, other): return self._op('mul', other, False)
+    def mul_(self, other): return self._op('mul', other, True)
+    def div(self, other): return self._op('div', other, False)
+    def div_(self, other): return self._op('div', other, True)
+    def pow(self, other): return self._op('pow', other, False)
+    def pow_(self, other): return self._op('pow', other, True)
+    def maximum(self, other): return self._op('maximum', other, False)
+    def minimum(self, other): return self._op('minimum', other, False)
     def _unary(self, name: str) -> TensorList: return TensorList(_fe(name)(list(self)))
 
     def lerp(self, end, weight): return TensorList(torch._foreach_lerp(list(self), list(end), _ts(weight)))
@@ -130,16 +136,16 @@ class TensorList(list):
 
     def clamp(self, min=None, max=None):
         res = self
-        if min is not None: res = res._binary('clamp_min', min, False)
-        if max is not None: res = res._binary('clamp_max', max, res is not self)
+        if min is not None: res = res._op('clamp_min', min, False)
+        if max is not None: res = res._op('clamp_max', max, res is not self)
         return res if res is not self else self.clone()
     def clamp_(self, min=None, max=None):
-        if min is not None: self._binary('clamp_min', min, True)
-        if max is not None: self._binary('clamp_max', max, True)
+        if min is not None: self._op('clamp_min', min, True)
+        if max is not None: self._op('clamp_max', max, True)
         return self
     clip, clip_ = clamp, clamp_
-    def clamp_min(self, v): return self._binary('clamp_min', v, False)
-    def clamp_max(self, v): return self._binary('clamp_max', v, False)
+    def clamp_min(self, v): return self._op('clamp_min', v, False)
+    def clamp_max(self, v): return self._op('clamp_max', v, False)
 
     def copy_(self, src):
         torch._foreach_copy_(list(self), _ts(src) if isinstance(src, TensorList) else [src] * len(self))
