@@ -117,16 +117,25 @@ class TensorList(list):
     def minimum(self, other): return self._op('minimum', other, False)
     def _unary(self, name: str) -> TensorList: return TensorList(_fe(name)(list(self)))
 
-    def lerp(self, end, weight): return TensorList(torch._foreach_lerp(list(self), list(end), _ts(weight)))
+    def _each(self, o: Any) -> list:
+        "A tensor operand, one per param: a TensorList of as many tensors, or one tensor that every param sees."
+        if isinstance(o, TensorList):
+            if len(o) != len(self): raise BucketError("TensorLists of different lengths in one op")
+            return list(o)
+        if isinstance(o, torch.Tensor): return [o] * len(self)
+        raise TypeError(f"expected a tensor or a TensorList, got {type(o).__name__}")
+
+    def lerp(self, end, weight):
+        w = weight if isinstance(weight, Number) else self._each(weight)
+        return TensorList(torch._foreach_lerp(list(self), self._each(end), w))
     def lerp_(self, end, weight):
-        torch._foreach_lerp_(list(self), list(end), _ts(weight))
+        torch._foreach_lerp_(list(self), self._each(end), weight if isinstance(weight, Number) else self._each(weight))
         return self
 
     def _addc(self, name: str, t1, t2, value, inplace: bool):
         "addcmul/addcdiv; a per-param `value` (a TensorList of 0-d tensors) scales `t1` first."
         if isinstance(value, TensorList): t1, value = t1 * value, 1
-        t1, t2 = [o if isinstance(o, TensorList) else TensorList([o] * len(self)) for o in (t1, t2)]
-        res = _fe(name + '_' * inplace)(list(self), list(t1), list(t2), value)
+        res = _fe(name + '_' * inplace)(list(self), self._each(t1), self._each(t2), value)
         return self if inplace else TensorList(res)
 
     def addcmul(self, t1, t2, value=1): return self._addc('addcmul', t1, t2, value, False)
@@ -148,7 +157,7 @@ class TensorList(list):
     def clamp_max(self, v): return self._op('clamp_max', v, False)
 
     def copy_(self, src):
-        torch._foreach_copy_(list(self), _ts(src) if isinstance(src, TensorList) else [src] * len(self))
+        torch._foreach_copy_(list(self), self._each(src))
         return self
     def zero_(self):
         torch._foreach_zero_(list(self))
