@@ -133,8 +133,9 @@ class TensorList(list):
         return self
 
     def _addc(self, name: str, t1, t2, value, inplace: bool):
-        "addcmul/addcdiv; a per-param `value` (a TensorList of 0-d tensors) scales `t1` first."
-        if isinstance(value, TensorList): t1, value = t1 * value, 1
+        """addcmul/addcdiv. A tensor `value` (a 0-d tensor hyper, or a TensorList of one 0-d tensor per param) scales
+        `t1` first, the order of torch's kernel (`self + value * t1 / t2`), without reading it back as a number."""
+        if isinstance(value, (torch.Tensor, TensorList)): t1, value = t1 * value, 1
         res = _fe(name + '_' * inplace)(list(self), self._each(t1), self._each(t2), value)
         return self if inplace else TensorList(res)
 

@@ -239,7 +239,6 @@ def test_addcmul_addcdiv(name: str, value: str, inplace: bool, dtype: torch.dtyp
     0-d tensor per param. A tensor value scales `t1` first (no device sync to read it): torch's kernel computes
     `x + value * t1 / t2` in that order, so float32/64 are exact. bfloat16 cannot be: torch keeps `value * t1` in
     float32, the bucket rounds it to bfloat16, so there it is compared within a bfloat16 rounding of that product."""
-    known_bug(request, value == '0d', 'a 0-d tensor value')
     x, t1, t2 = make(dtype, 0), make(dtype, 1), make(dtype, 2, positive=True)
     v, v_at = operand(value, dtype, len(x), seed=3) if value != 'default' else (None, None)
     kw, kw_at = ({}, lambda i: {}) if value == 'default' else ({'value': v}, lambda i: {'value': v_at(i)})
