@@ -184,6 +184,7 @@ class TensorList(list):
     def __isub__(self, o): return self.sub_(o)
     def __imul__(self, o): return self.mul_(o)
     def __itruediv__(self, o): return self.div_(o)
+    def __ipow__(self, o): return self.pow_(o)
     def __rsub__(self, o): return self.neg().add_(o)
     def __rtruediv__(self, o): return self.reciprocal()._binary('mul', o, True)
     def __rpow__(self, o):
@@ -203,6 +204,14 @@ class TensorList(list):
     __gt__, __ge__ = _cmp(torch.Tensor.__gt__), _cmp(torch.Tensor.__ge__)
     __and__, __or__, __xor__ = _cmp(torch.Tensor.__and__), _cmp(torch.Tensor.__or__), _cmp(torch.Tensor.__xor__)
     __rand__, __ror__ = __and__, __or__
+
+    def _cmp_(op):
+        "An in-place operator per tensor: the bucket's own tensors change and it stays the same object, as a tensor."
+        def iop(self, o):
+            _zip_call(op, (self, o), {})
+            return self
+        return iop
+    __iand__, __ior__, __ixor__ = _cmp_(torch.Tensor.__iand__), _cmp_(torch.Tensor.__ior__), _cmp_(torch.Tensor.__ixor__)
     def __invert__(self): return _zip_call(torch.Tensor.__invert__, (self,), {})
 
 
