@@ -197,21 +197,29 @@ class TensorList(list):
         if isinstance(i, int): return list.__getitem__(self, i)
         return _zip_call(lambda t, i: t[i], (self, i), {})
 
-    def _cmp(op):
+    def _each_op(op):
+        "A tensor operator with no foreach kernel, once per tensor."
         return lambda self, o: _zip_call(op, (self, o), {})
-    __eq__, __ne__ = _cmp(torch.Tensor.__eq__), _cmp(torch.Tensor.__ne__)
-    __lt__, __le__ = _cmp(torch.Tensor.__lt__), _cmp(torch.Tensor.__le__)
-    __gt__, __ge__ = _cmp(torch.Tensor.__gt__), _cmp(torch.Tensor.__ge__)
-    __and__, __or__, __xor__ = _cmp(torch.Tensor.__and__), _cmp(torch.Tensor.__or__), _cmp(torch.Tensor.__xor__)
-    __rand__, __ror__ = __and__, __or__
-
-    def _cmp_(op):
+    def _each_op_(op):
         "An in-place operator per tensor: the bucket's own tensors change and it stays the same object, as a tensor."
         def iop(self, o):
             _zip_call(op, (self, o), {})
             return self
         return iop
-    __iand__, __ior__, __ixor__ = _cmp_(torch.Tensor.__iand__), _cmp_(torch.Tensor.__ior__), _cmp_(torch.Tensor.__ixor__)
+    _T = torch.Tensor
+    __eq__, __ne__ = _each_op(_T.__eq__), _each_op(_T.__ne__)
+    __lt__, __le__ = _each_op(_T.__lt__), _each_op(_T.__le__)
+    __gt__, __ge__ = _each_op(_T.__gt__), _each_op(_T.__ge__)
+    __and__, __or__, __xor__ = _each_op(_T.__and__), _each_op(_T.__or__), _each_op(_T.__xor__)
+    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
+    __iand__, __ior__, __ixor__ = _each_op_(_T.__iand__), _each_op_(_T.__ior__), _each_op_(_T.__ixor__)
+    __floordiv__, __rfloordiv__, __ifloordiv__ = _each_op(_T.__floordiv__), _each_op(_T.__rfloordiv__), _each_op_(_T.__ifloordiv__)
+    __mod__, __rmod__, __imod__ = _each_op(_T.__mod__), _each_op(_T.__rmod__), _each_op_(_T.__imod__)
+    __lshift__, __rlshift__, __ilshift__ = _each_op(_T.__lshift__), _each_op(_T.__rlshift__), _each_op_(_T.__ilshift__)
+    __rshift__, __rrshift__, __irshift__ = _each_op(_T.__rshift__), _each_op(_T.__rrshift__), _each_op_(_T.__irshift__)
+    __matmul__, __rmatmul__ = _each_op(_T.__matmul__), _each_op(_T.__rmatmul__)
+    del _T, _each_op, _each_op_
+    def __pos__(self): return _zip_call(torch.Tensor.__pos__, (self,), {})
     def __invert__(self): return _zip_call(torch.Tensor.__invert__, (self,), {})
 
 

@@ -140,7 +140,6 @@ REFLECTED = {'+': operator.add, '-': operator.sub, '*': operator.mul, '/': opera
 @pytest.mark.parametrize('sym', REFLECTED)
 def test_reflected_operators(sym: str, left: str, dtype: torch.dtype, request) -> None:
     "`2 - tl`, `1 / tl`, `2 ** tl`, `t - tl`: the number or tensor on the left, each param on the right."
-    known_bug(request, sym in ('//', '%') and left in ('int', 'scalar'), 'no // or % operators')
     x = make(dtype, 0, BROADCAST if left == 'full' else SHAPES, positive=sym in ('**', '/', '//', '%'))
     o = LEFT[left].to(dtype) if isinstance(LEFT[left], torch.Tensor) else LEFT[left]
     fn = REFLECTED[sym]
@@ -152,14 +151,12 @@ def test_reflected_operators(sym: str, left: str, dtype: torch.dtype, request) -
 @pytest.mark.parametrize('sym', REFLECTED)
 def test_operators(sym: str, kind: str, dtype: torch.dtype, request) -> None:
     "`tl + o`, ..., `tl // o`, `tl % o` per tensor."
-    known_bug(request, sym in ('//', '%') and kind != '0d', 'no // or % operators')
     x = make(dtype, 0, positive=sym == '**')
     o, at = operand(kind, dtype, len(x), positive=sym in ('**', '/', '//', '%'))
     fn = REFLECTED[sym]
     run(x, lambda tl: fn(tl, o), [fn(t, at(i)) for i, t in enumerate(x)], inplace=False)
 
 
-@pytest.mark.xfail(strict=True, reason='no @ operator')
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_matmul(dtype: torch.dtype) -> None:
     "`tl @ other`: each param's matrix product with its partner, or with one tensor on either side."
@@ -173,7 +170,6 @@ def test_matmul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize('sym', ['+=', '-=', '*=', '/=', '**=', '//=', '%='])
 def test_inplace_operators(sym: str, dtype: torch.dtype, request) -> None:
     "`tl += o` changes the bucket's own tensors, as `t += o` changes a tensor, and `tl` stays the same object."
-    known_bug(request, sym in ('//=', '%='), 'no // or % operators')
     fn = {'+=': operator.iadd, '-=': operator.isub, '*=': operator.imul, '/=': operator.itruediv,
           '**=': operator.ipow, '//=': operator.ifloordiv, '%=': operator.imod}[sym]
     for kind in ('scalar', 'list'):
@@ -182,7 +178,18 @@ def test_inplace_operators(sym: str, dtype: torch.dtype, request) -> None:
         run(x, lambda tl: fn(tl, o), [fn(t.clone(), at(i)) for i, t in enumerate(x)], inplace=True)
 
 
-@pytest.mark.xfail(strict=True, reason='no unary + operator')
+def test_integer_operators() -> None:
+    "Shifts, `//` and `%` on integer buckets, with a number or a bucket on either side, in place too."
+    x, y = TensorList([torch.arange(1, 7), torch.tensor(5)]), TensorList([torch.tensor([1, 2, 3, 1, 2, 3]), torch.tensor(2)])
+    for fn in (operator.lshift, operator.rshift, operator.floordiv, operator.mod):
+        run(x, lambda tl: fn(tl, y), [fn(a, b) for a, b in zip(x, y)], inplace=False)
+        run(x, lambda tl: fn(tl, 2), [fn(a, 2) for a in x], inplace=False)
+        run(x, lambda tl: fn(7, tl), [fn(7, a) for a in x], inplace=False)
+    for fn in (operator.ilshift, operator.irshift, operator.ifloordiv, operator.imod):
+        z = x.clone()
+        run(z, lambda tl: fn(tl, y), [fn(a.clone(), b) for a, b in zip(z, y)], inplace=True)
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_unary_operators(dtype: torch.dtype) -> None:
     "`-tl`, `+tl`, `abs(tl)`."
@@ -413,7 +420,6 @@ def test_comparisons(op, kind: str) -> None:
 @pytest.mark.parametrize('op', [operator.and_, operator.or_, operator.xor])
 def test_logical(op, request) -> None:
     "`& | ^` between masks and with a bool on either side, and `~`."
-    known_bug(request, op is operator.xor, 'no reflected ^')
     x, y = make(seed=0) > 0, make(seed=1) > 0
     run(x, lambda m: op(m, y), [op(a, b) for a, b in zip(x, y)], False)
     for b in (True, False):
