@@ -145,11 +145,14 @@ class TensorList(list):
     def addcdiv_(self, t1, t2, value=1): return self._addc('addcdiv', t1, t2, value, True)
 
     def clamp(self, min=None, max=None):
+        "torch.clamp per tensor: min first, then max (so max wins where min > max, as in torch)."
+        if min is None and max is None: raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
         res = self
         if min is not None: res = res._op('clamp_min', min, False)
         if max is not None: res = res._op('clamp_max', max, res is not self)
-        return res if res is not self else self.clone()
+        return res
     def clamp_(self, min=None, max=None):
+        if min is None and max is None: raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
         if min is not None: self._op('clamp_min', min, True)
         if max is not None: self._op('clamp_max', max, True)
         return self
