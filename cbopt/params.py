@@ -130,6 +130,7 @@ def named_groups(params: Any, start: int = 0) -> list[dict]:
     `param_names` (as torch's `param_groups` hold them) name its params."""
     groups, pos = [], start
     for i, g in enumerate(_split_groups(params)):
+        _check_aliases(g, i)  # here, before the group becomes a ParamGroup (which keeps the two equal)
         pairs = _flatten(g['params'], '')
         names = [str(pos + j) if name is None else name for j, (name, _) in enumerate(pairs)]
         if g.get('param_names') is not None:
@@ -145,12 +146,17 @@ def named_groups(params: Any, start: int = 0) -> list[dict]:
     return groups
 
 
-def check_group_hypers(g: Mapping, i: int) -> None:
-    "The hypers a group dict gives itself are checked as the optimizer's are (`cbopt.hypers.check_hyper`)."
+def _check_aliases(g: Mapping, i: int) -> None:
+    "A group may give `mom` or torch's `momentum`, not both with different values (one would silently win)."
     for alias, canon in ALIASES.items():
         if alias in g and canon in g and g[alias] != g[canon]:
             raise ValueError(f"param group {i} gives both {canon!r} ({g[canon]!r}) and its torch name {alias!r} "
                              f"({g[alias]!r}): give one")
+
+
+def check_group_hypers(g: Mapping, i: int) -> None:
+    "The hypers a group dict gives itself are checked as the optimizer's are (`cbopt.hypers.check_hyper`)."
+    _check_aliases(g, i)
     for k, v in g.items():
         if k not in NOT_HYPERS: check_hyper(k, v, i)
 
