@@ -167,8 +167,9 @@ class TensorList(list):
         torch._foreach_zero_(list(self))
         return self
     def fill_(self, v):
-        torch._foreach_zero_(list(self))
-        return self.add_(v)
+        "Tensor.fill_ per tensor: every value as it is, -0.0 too (zero_ then add_ would give 0.0)."
+        _zip_call(torch.Tensor.fill_, (self, v), {})
+        return self
     def clone(self, **kwargs): return TensorList(torch._foreach_clone(list(self), **kwargs))
     def detach(self): return TensorList(t.detach() for t in self)
 

@@ -329,7 +329,6 @@ def test_zero_(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize('value', [0.37, 0.1, -0.0, math.nan, -INF, '0d', 'list0d'])
 def test_fill_(value, dtype: torch.dtype, request) -> None:
     "fill_ with a number (-0.0 keeps its sign, 0.1 rounds once to the dtype), a 0-d tensor, one 0-d tensor per param."
-    known_bug(request, str(value) == '-0.0', 'fill_(-0.0)')
     x = make(dtype)
     x[0][0] = math.nan  # filled over like any value
     v, at = operand(value, dtype, len(x)) if isinstance(value, str) else (value, lambda i: value)
