@@ -1,14 +1,16 @@
 """cbopt: callback-composed optimizers for PyTorch, fastai-style, with named (FQN) state."""
 __version__ = "0.1.0"
 
+from .chain import cb_defaults, chain_name, init_chain_state
 from .callbacks import *
 from .callbacks import __all__ as _callbacks_all
 from .hypers import Hypers, ParamGroup
-from .optimizer import Optimizer, cb_defaults
-from .backends import BACKENDS
+from .engine import BACKENDS, Backend
+from .optimizer import Optimizer
 from .optimizers import *
 from .optimizers import __all__ as _optimizers_all
 from .tensorlist import BucketError, TensorList
+from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
-__all__ = ['Optimizer', 'cb_defaults', 'Hypers', 'ParamGroup', 'BACKENDS', 'TensorList', 'BucketError',
-           *_callbacks_all, *_optimizers_all]
+__all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
+           'TensorList', 'BucketError', *_callbacks_all, *_optimizers_all]

@@ -10,9 +10,9 @@ def main(argv=None) -> None:
     sub.add_parser('bench', help='benchmark the backends against torch.optim and fastai', add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.cmd == 'demo':
-        from .demo import main as run
+        from .cli.demo import main as run
     else:
-        from .bench import main as run
+        from .cli.bench import main as run
     run(rest)
 
 

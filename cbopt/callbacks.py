@@ -2,7 +2,8 @@
 
 A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None`, as in fastai. It reads the param `p`
 (`p.data`, `p.grad`), its state and its group's hypers by keyword, updates tensors in place, and returns the new
-state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers.
+state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers;
+the state it creates is declared as `cb.state` (and `transient`, `scope`: see `cbopt.chain`).
 
 Callbacks are written once and run in every backend: the per-param loop passes tensors, a bucket backend passes
 a list-like stand-in for all the params of a bucket. So a callback uses tensor math (`torch.where`, `clamp`) rather
@@ -18,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .chain import copy_of_param, zeros
+
 __all__ = ['weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'momentum_step',
            'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',
            'qhadam_step', 'larc_layer_lr', 'larc_step', 'lamb_step', 'lookahead_keep', 'lookahead_step']
@@ -27,12 +30,14 @@ def weight_decay(p, lr, wd, do_wd=True, **kwargs):
     "Decoupled weight decay (AdamW-style): shrink `p` by `lr*wd`."
     if do_wd and wd != 0: p.data.mul_(1 - lr * wd)
 weight_decay.defaults = dict(wd=0.)
+weight_decay.state = {}
 
 
 def l2_reg(p, lr, wd, do_wd=True, **kwargs):
     "L2 regularization: add `wd*p` to the gradient (torch's `weight_decay` in SGD/Adam)."
     if do_wd and wd != 0: p.grad.data.add_(p.data, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
+l2_reg.state = {}
 
 
 def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
@@ -42,6 +47,7 @@ def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
     grad_avg.mul_(mom).add_(p.grad.data, alpha=damp)
     return {'grad_avg': grad_avg}
 average_grad.defaults = dict(mom=0.9)
+average_grad.state = dict(grad_avg=zeros)
 
 
 def dampened_grad_avg(p, mom, dampening=0., grad_avg=None, **kwargs):
@@ -59,21 +65,25 @@ def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
     sqr_avg.mul_(sqr_mom).addcmul_(p.grad.data, p.grad.data, value=damp)
     return {'sqr_avg': sqr_avg}
 average_sqr_grad.defaults = dict(sqr_mom=0.99)
+average_sqr_grad.state = dict(sqr_avg=zeros)
 
 
 def sgd_step(p, lr, **kwargs):
     "Plain SGD step: `p -= lr * grad`."
     p.data.add_(p.grad.data, alpha=-lr)
+sgd_step.state = {}
 
 
 def momentum_step(p, lr, grad_avg, **kwargs):
     "SGD with momentum: `p -= lr * grad_avg`."
     p.data.add_(grad_avg, alpha=-lr)
+momentum_step.state = {}
 
 
 def nesterov_step(p, lr, mom, grad_avg, **kwargs):
     "Nesterov momentum, as torch.optim.SGD: `p -= lr * (grad + mom*grad_avg)`."
     p.data.add_(p.grad.data.add(grad_avg, alpha=mom), alpha=-lr)
+nesterov_step.state = {}
 
 
 def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
@@ -81,11 +91,13 @@ def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
     denom = sqr_avg.sqrt().add_(eps)
     p.data.addcdiv_((grad_avg if grad_avg is not None else p.grad.data), denom, value=-lr)
 rms_prop_step.defaults = dict(eps=1e-8)
+rms_prop_step.state = {}
 
 
 def step_stat(p, step=0, **kwargs):
     "Count the steps taken by `p` (a Python int, so it never holds a tensor back)."
     return {'step': step + 1}
+step_stat.state = dict(step=0)
 
 
 def debias(mom: float, damp: float, step: int) -> float:
@@ -99,6 +111,7 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
     p.data.addcdiv_(grad_avg, (sqr_avg / debias2).sqrt_().add_(eps), value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
+adam_step.state = {}
 
 
 def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs):
@@ -115,6 +128,7 @@ def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs
         p.data.addcdiv_(grad_avg, denom, value=-lr * v / debias1)
     else: p.data.add_(grad_avg, alpha=-lr / debias1)
 radam_step.defaults = dict(eps=1e-5, beta=0.)
+radam_step.state = {}
 
 
 def qhadam_step(p, lr, mom, sqr_mom, sqr_avg, nu_1, nu_2, step, grad_avg, eps, **kwargs):
@@ -126,6 +140,7 @@ def qhadam_step(p, lr, mom, sqr_mom, sqr_avg, nu_1, nu_2, step, grad_avg, eps, *
                     (((1 - nu_2) * g ** 2) + (nu_2 * (sqr_avg / debias2))).sqrt_().add_(eps),
                     value=-lr)
 qhadam_step.defaults = dict(eps=1e-8, nu_1=0.7, nu_2=1.0)
+qhadam_step.state = {}
 
 
 def larc_layer_lr(p, lr, trust_coeff, wd, eps, clip=True, **kwargs):
@@ -134,11 +149,15 @@ def larc_layer_lr(p, lr, trust_coeff, wd, eps, clip=True, **kwargs):
     local_lr = lr * trust_coeff * p_norm / (g_norm + p_norm * wd + eps)
     return {'local_lr': local_lr.clamp(max=lr) if clip else local_lr}
 larc_layer_lr.defaults = dict(trust_coeff=0.02, wd=0., eps=1e-8)
+larc_layer_lr.state = {}
+larc_layer_lr.transient = ('local_lr',)  # used this step only: never checkpointed
+larc_layer_lr.scope = 'tensor'  # norms over the whole param
 
 
 def larc_step(p, local_lr, grad_avg=None, **kwargs):
     "Step with the layer-wise `local_lr` on the grad (or its average)."
     p.data.sub_((p.grad.data if grad_avg is None else grad_avg) * local_lr)
+larc_step.state = {}
 
 
 def lamb_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
@@ -151,11 +170,14 @@ def lamb_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     q = torch.where((r1 == 0) | (r2 == 0), 1., (r1 / r2).clamp(max=10))
     p.data.sub_(update * (lr * q))
 lamb_step.defaults = dict(eps=1e-6, wd=0.)
+lamb_step.state = {}
+lamb_step.scope = 'tensor'
 
 
 def lookahead_keep(p, slow_p=None, **kwargs):
     "Lookahead, first half: remember the slow weights as they were before the first fast step."
     if slow_p is None: return {'slow_p': p.data.clone()}
+lookahead_keep.state = dict(slow_p=copy_of_param)
 
 
 def lookahead_step(p, k, alpha, la_step=0, slow_p=None, **kwargs):
@@ -166,3 +188,4 @@ def lookahead_step(p, k, alpha, la_step=0, slow_p=None, **kwargs):
         p.data.copy_(slow_p)
     return {'la_step': la_step}
 lookahead_step.defaults = dict(k=6, alpha=0.5)
+lookahead_step.state = dict(la_step=0)

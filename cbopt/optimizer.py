@@ -2,92 +2,85 @@
 while being a real `torch.optim.Optimizer` (schedulers, GradScaler, hooks, closures) with named state."""
 from __future__ import annotations
 
-import functools
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from types import FrameType
 from typing import Any
 
 import torch
-from fastcore.basics import merge
 from fastcore.foundation import L
 
-from . import state as named_state
-from .state import FLAGS
+from . import engine
+from .chain import chain_defaults, check_chain, cb_name
+from .engine import Backend, as_backend
 from .hypers import ALIASES, Hypers, ParamGroup, expand_hyper
 from .params import check_params, named_groups
-from . import backends  # circular (backends runs `run_chain`): used at call time only
+from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
 
-__all__ = ['Optimizer', 'cb_defaults', 'FLAGS']
+__all__ = ['Optimizer', 'on_create', 'load_policies']
 
-
-
-def cb_defaults(cb: Callable) -> dict:
-    "The hypers a callback asks for, with its defaults (`partial`s included; fastai's `_defaults` too)."
-    while isinstance(cb, functools.partial): cb = cb.func
-    return {**getattr(cb, '_defaults', {}), **getattr(cb, 'defaults', {})}
+# Neutral hooks for integrations (`cbopt.integrations`): the core never learns who its caller is.
+on_create: list[Callable[[Optimizer], None]] = []       # called with each new optimizer (may name its params)
+load_policies: list[Callable[[Optimizer], bool]] = []   # any True: a checkpoint with no state at all restarts the optimizer
 
 
-def cb_name(cb: Callable) -> str:
-    while isinstance(cb, functools.partial): cb = cb.func
-    return getattr(cb, '__name__', type(cb).__name__)
+def _as_chain(cbs: Callable | Iterable[Callable]) -> list:
+    "A chain as a list of callbacks (one callable is a chain of one), checked (`cbopt.chain.check_chain`)."
+    cbs = list(L(cbs))
+    check_chain(cbs)
+    return cbs
 
 
-def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
-    "Run each callback on `p` with its state and hypers as keywords, merging the state it returns (fastai's step)."
-    for cb in cbs:
-        new = cb(p, **{**state, **hyper})
-        if isinstance(new, dict): state.update(new)
-
-
-def fastai_frame(fn: str, depth: int = 10) -> FrameType | None:
-    """The frame of fastai.learner's `fn` (`create_opt`, `load_model`, ...) if it is among our `depth` callers.
-    fastai calls an `opt_func` and `opt.load_state_dict` with no hint of who calls, so we look up the stack;
-    this never imports fastai (no frame can be fastai's unless fastai.learner is already imported)."""
-    mod = sys.modules.get('fastai.learner')
-    if mod is None: return None
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None: return None
-        if frame.f_code.co_name == fn and (frame.f_globals is vars(mod)
-                                           or isinstance(frame.f_locals.get('self'), mod.Learner)): return frame
-        frame = frame.f_back
-    return None
-
-
-def find_learner_model() -> torch.nn.Module | None:
-    "The model of the fastai Learner whose `create_opt` is building this optimizer, if any (fastai is never imported)."
-    frame = fastai_frame('create_opt')
-    return getattr(frame.f_locals.get('self'), 'model', None) if frame else None
+def _run_hooks(hooks: Mapping, opt: Optimizer, *value):
+    "Run one of torch's hook dicts (`_optimizer_*_hooks`) as torch does: a hook returning a value replaces `value`."
+    for hook in hooks.values():
+        out = hook(opt, *value)
+        if value and out is not None: value = (out,)
+    return value[0] if value else None
 
 
 class Optimizer(torch.optim.Optimizer):
-    "An optimizer made of step callbacks `cbs`; `defaults` (merged over the callbacks' own) are the hypers."
+    """An optimizer made of step callbacks `cbs`; `defaults` (merged over the callbacks' own) are the hypers.
+    A param group may carry its own chain under `cbs` (`[{'params': matrices, 'cbs': muon_cbs}, {'params': rest}]`);
+    its hyper defaults then come from its own chain. `backend` is a name in `cbopt.BACKENDS` or a `cbopt.Backend`."""
     _keep_on_clear = FLAGS
 
-    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str = 'auto', **defaults):
-        if backend not in backends.BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}: expected one of {backends.BACKENDS}")
-        self.backend = backend  # how `step` runs the chain: see cbopt.backends
+    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str | Backend = 'auto', **defaults):
+        self.backend_options = as_backend(backend)  # how `step` runs the chains: see cbopt.engine
         if 'train_bn' in defaults:
             defaults.pop('train_bn')
             warnings.warn('Setting `train_bn` in `Optimizer` has no effect. Set `train_bn` on `Learner` init instead')
-        self.cbs = L(cbs)
-        for cb in self.cbs:
-            if not callable(cb): raise TypeError(f"callback {cb!r} is not callable")
-        groups = [ParamGroup(g) for g in named_groups(params)]
+        self.cbs = L(_as_chain(cbs))
+        groups = named_groups(params)
         if not any(g['params'] for g in groups): raise ValueError("optimizer got an empty parameter list")
         check_params(groups)
-        defaults = merge(*[cb_defaults(cb) for cb in self.cbs], {ALIASES.get(k, k): v for k, v in defaults.items()})
+        defaults = {ALIASES.get(k, k): v for k, v in defaults.items()}
+        groups = [self._with_chain(g) for g in groups]
         for k, v in defaults.items():  # group dicts win over defaults; slices and lists spread over the groups
             for g, v_ in zip(groups, expand_hyper(k, v, len(groups))): g.setdefault(k, v_)
-        scalar_defaults = {k: expand_hyper(k, v, len(groups))[-1] for k, v in defaults.items()}
+        for g in groups:  # then each group's own chain's defaults
+            for k, v in chain_defaults(g['cbs']).items(): g.setdefault(k, v)
+        scalar_defaults = {**chain_defaults(self.cbs), **{k: expand_hyper(k, v, len(groups))[-1] for k, v in defaults.items()}}
         for alias, canon in ALIASES.items():  # e.g. OneCycleLR looks for 'momentum' in defaults
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
-        self.frozen_idx = 0
+        self.frozen_idx, self._given = 0, set(defaults)
         super().__init__(groups, scalar_defaults)
-        if model := find_learner_model(): self.name_params(model)
+        for hook in on_create: hook(self)
+
+    def _with_chain(self, group: Mapping) -> ParamGroup:
+        """`group` as a ParamGroup holding its chain under `cbs`: its own, or the optimizer's `cbs` itself (so a callback
+        appended to `opt.cbs` later, fastai-style, runs in every group without a chain of its own)."""
+        g = ParamGroup(group)
+        own = group.get('cbs')
+        g['cbs'] = self.cbs if own is None or own is self.cbs else L(_as_chain(own))
+        return g
+
+    @property
+    def backend(self) -> str:
+        "The backend's kind (`'auto'`, `'loop'`, `'foreach'`, `'fused'`); its settings are `backend_options`."
+        return self.backend_options.kind
+
+    @backend.setter
+    def backend(self, backend: str | Backend) -> None: self.backend_options = as_backend(backend, self.backend_options)
 
     # -- params and groups ---------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -101,8 +94,11 @@ class Optimizer(torch.optim.Optimizer):
             groups = [g]
         else: groups = named_groups([{**param_group}], start=sum(len(g['params']) for g in self.param_groups))
         check_params(groups, known=self.named_params())
-        g = ParamGroup(groups[0])
-        for k, v in self.defaults.items():
+        g = self._with_chain(groups[0])
+        fill = self.defaults
+        if g['cbs'] is not self.cbs:  # its own chain: its defaults, and only the hypers the user gave the optimizer
+            fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
+        for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
         self.param_groups.append(g)
 
@@ -166,12 +162,13 @@ class Optimizer(torch.optim.Optimizer):
             if p in self.state: self.state[p] = {k: v for k, v in self.state[p].items() if k in self._keep_on_clear}
 
     def init_state(self) -> None:
-        """Create the state of every param that has none, as a first step with zero grads would, without changing
-        any param (the chain runs on a copy). Step counters then read 1, as after torchrec's and DCP's init."""
+        """Create the state of every param that has none, as it is before a first step (so training on is exactly as
+        without this call), from the callbacks' declarations; for a chain with an undeclared (fastai-style) callback,
+        as a first step with a zero grad leaves it, computed on a copy. No param changes."""
         for g in self.param_groups:
             for p in g['params']:
-                if not named_state.split_flags(self.state.get(p, {}))[0]:
-                    self.state[p].update(named_state.first_step_state(self, p, g))
+                if not split_flags(self.state.get(p, {}))[0]:
+                    self.state[p].update(initial_state(self, p, g))
 
     # -- stepping ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -180,34 +177,26 @@ class Optimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
-        backends.run_step(self, self.backend)
+        engine.run_step(self)
         return loss
 
     # -- named state_dict ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        "`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'params': [fqn, ...]}]}`: loadable with weights_only."
-        for hook in self._optimizer_state_dict_pre_hooks.values(): hook(self)
-        sd = named_state.named_state_dict(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            res = hook(self, sd)
-            if res is not None: sd = res
-        return sd
+        "`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'chain': ..., 'params': [fqn, ...]}]}`: loadable with weights_only."
+        _run_hooks(self._optimizer_state_dict_pre_hooks, self)
+        return _run_hooks(self._optimizer_state_dict_post_hooks, self, named_state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a cbopt, torch.optim or fastai state_dict. Strict and atomic: any mismatch raises an error naming
-        the param, and leaves this optimizer exactly as it was.
-        One exception, for fastai: `lr_find` saves the optimizer before it runs (often still fresh, so with no
-        state) and loads it back after, through `load_model`, which turns any error into a "Could not load the
-        optimizer state" warning. So when fastai's `load_model` calls us, a checkpoint with no state at all
-        restores the fresh state (as `clear_state()`, flags kept) instead of raising."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            res = hook(self, state_dict)
-            if res is not None: state_dict = res
-        new_state, new_hypers = named_state.prepare_load(self, state_dict, fresh_ok=fastai_frame('load_model') is not None)
+        the param, and leaves this optimizer exactly as it was. (An integration may let a checkpoint with no state at
+        all restart the optimizer: fastai's lr_find, see `cbopt.integrations.fastai`.)"""
+        state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
+        fresh_ok = any(policy(self) for policy in load_policies)
+        new_state, new_hypers = prepare_load(self, state_dict, fresh_ok=fresh_ok)
         for p in self.params:  # commit: nothing below can fail
-            self.state[p] = {**new_state[p], **named_state.split_flags(self.state.get(p, {}))[1]}
+            self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
         for g, h in zip(self.param_groups, new_hypers): g.update(h)
-        for hook in self._optimizer_load_state_dict_post_hooks.values(): hook(self)
+        _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
 
     # -- pickling (torch's __getstate__ keeps only defaults, state and param_groups) -------------------------------
     def __getstate__(self) -> dict:

@@ -1,4 +1,5 @@
-"""Prebuilt optimizers: each is a list of callbacks, with fastai's names, hyper names and defaults."""
+"""Prebuilt optimizers: each is a list of callbacks, with fastai's names, hyper names and defaults. A recipe whose
+chain torch has a fused kernel for registers it here, so the engine never needs to know the recipes."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,9 +9,11 @@ from typing import Any
 from .callbacks import (adam_step, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step, larc_layer_lr,
                         larc_step, lookahead_keep, lookahead_step, momentum_step, nesterov_step, qhadam_step, radam_step,
                         rms_prop_step, sgd_step, step_stat, weight_decay)
+from .engine import register_kernel
+from .engine.kernels import fused_adamw
 from .optimizer import Optimizer
 
-__all__ = ['adam_chain', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
+__all__ = ['adam_chain', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
 
 
 def _decay(decouple_wd: bool) -> list:
@@ -21,6 +24,9 @@ def _decay(decouple_wd: bool) -> list:
 def adam_chain(step: Callable = adam_step, decouple_wd: bool = True) -> list:
     "The callbacks of Adam and its relatives (RAdam, Lamb): decay, both moments, the step count, then `step`."
     return _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, step]
+
+
+register_kernel(adam_chain(), fused_adamw)  # cbopt's AdamW is exactly torch's fused AdamW
 
 
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
@@ -77,13 +83,18 @@ def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float
                      backend=backend)
 
 
+def lookahead(cbs: list) -> list:
+    "A chain with Lookahead around it: keep the slow weights before the chain, move towards them after."
+    return [lookahead_keep, *cbs, lookahead_step]
+
+
 def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     "`opt` with Lookahead: every `k` steps its params move back `1-alpha` of the way to slow weights (same backend)."
-    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i]}  # (name, param): names kept
+    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i],
+               'cbs': None if g['cbs'] is opt.cbs else lookahead(g['cbs']),
+               'k': k, 'alpha': alpha}  # (name, param): names kept
               for i, g in enumerate(opt.param_groups)]
-    res = Optimizer(groups, [lookahead_keep, *opt.cbs, lookahead_step], backend=opt.backend,
-                    **{**opt.defaults, 'k': k, 'alpha': alpha})
-    for g in res.param_groups: g.update(k=k, alpha=alpha)
+    res = Optimizer(groups, lookahead(list(opt.cbs)), backend=opt.backend_options, **{**opt.defaults, 'k': k, 'alpha': alpha})
     for p in opt.params:
         if p in opt.state: res.state[p] = opt.state[p]
     return res

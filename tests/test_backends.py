@@ -13,17 +13,17 @@ import torch
 from torch import nn
 
 import cbopt
-from cbopt import backends
+from cbopt import engine
+from cbopt.engine import buckets as bucketing, foreach as foreach_runner, runtime
 from conftest import PREBUILT, assert_rel_close, make_model, set_grads, train, two_groups
 
 STEPS = 100
 SLOW = bool(os.environ.get('CBOPT_SLOW'))
 
 
-@pytest.fixture
-def aot_eager(monkeypatch):
-    "Compile the fused chain with aot_eager: dynamo's full graph and functionalization, no C++ codegen."
-    monkeypatch.setattr(backends, 'COMPILER', 'aot_eager')
+def aot(kind: str) -> cbopt.Backend:
+    "`kind`, compiling the fused chain with aot_eager: dynamo's full graph and functionalization, no C++ codegen."
+    return cbopt.Backend(kind, compiler='aot_eager')
 
 
 def lion(p, lr, mom, sqr_mom, wd, grad_avg=None, **kwargs):
@@ -100,9 +100,9 @@ def test_adamw_uses_torch_kernel(backend, monkeypatch):
 
 @pytest.mark.parametrize('name', ['sgd-mom', 'rmsprop', 'adam-l2', 'qhadam', 'lamb', 'lars', 'lookahead-sgd', 'lion']
                          if not SLOW else [*PREBUILT, *USER])
-def test_fused_compiled_chain(name, aot_eager):
+def test_fused_compiled_chain(name):
     "The chain compiled over each bucket (graph as inductor gets it) follows the loop."
-    run_vs_loop(name, 'fused', steps=30 if not SLOW else STEPS)
+    run_vs_loop(name, aot('fused'), steps=30 if not SLOW else STEPS)
 
 
 @pytest.mark.parametrize('name', ['lion', 'radam', 'larc'] if not SLOW else [*PREBUILT, *USER])
@@ -179,26 +179,26 @@ def test_buckets_split_what_must_differ():
     opt.state[model[0].bias]['do_wd'] = False
     for p in model.parameters(): p.grad = torch.ones_like(p)
     model[2].bias.grad = None
-    bs = backends.buckets(opt)
+    bs = bucketing.buckets(opt)
     assert [[n for n, p in model.named_parameters() if any(p is q for q in b.params)] for b in bs] == \
         [['0.weight'], ['0.bias'], ['1.weight', '1.bias'], ['2.weight']]
     opt.step()
     model[2].bias.grad = torch.ones_like(model[2].bias)
-    assert len(backends.buckets(opt)) == 5  # 2.bias has not stepped yet: step 0, no state, its own bucket
+    assert len(bucketing.buckets(opt)) == 5  # 2.bias has not stepped yet: step 0, no state, its own bucket
 
 
 # -- state interchange -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('name,first', [('adam', 'fused'), ('lion', 'fused'), ('lamb', 'foreach')])
-def test_state_interchange(name, first, aot_eager):
+def test_state_interchange(name, first):
     "Save under `first` and resume under loop, save under loop and resume under `first`: the loop's trajectory."
     ref, ours, ours2 = make_model(), make_model(), make_model()
-    ref_opt, opt = build(name, two_groups(ref), 3e-3, 'loop'), build(name, two_groups(ours), 3e-3, first)
+    ref_opt, opt = build(name, two_groups(ref), 3e-3, 'loop'), build(name, two_groups(ours), 3e-3, aot(first))
     train(ref_opt, ref, 10), train(opt, ours, 10)
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     assert {k: set(v) for k, v in sd['state'].items()} == {k: set(v) for k, v in ref_sd['state'].items()}
     with torch.no_grad():
         for a, b in zip(ours2.parameters(), ref.parameters()): a.copy_(b)
-    resumed, again = build(name, two_groups(ours), 3e-3, 'loop'), build(name, two_groups(ours2), 3e-3, first)
+    resumed, again = build(name, two_groups(ours), 3e-3, 'loop'), build(name, two_groups(ours2), 3e-3, aot(first))
     resumed.load_state_dict(sd), again.load_state_dict(ref_sd)
     for i in range(10, 30):
         train(ref_opt, ref, 1, start=i), train(resumed, ours, 1, start=i), train(again, ours2, 1, start=i)
@@ -216,13 +216,13 @@ def grad_avg_then_branch(p, grad_avg=None, **kwargs):
 
 
 @pytest.mark.parametrize('backend', ['foreach', 'fused', 'auto'])
-def test_fallback_per_param_warns_once(backend, aot_eager):
+def test_fallback_per_param_warns_once(backend):
     "A callback with tensor control flow runs param by param (once, never half on the bucket), warning once by name."
     def make(m, be):
         return cbopt.Optimizer(two_groups(m), [cbopt.weight_decay, grad_avg_then_branch, cbopt.momentum_step],
                                backend=be, lr=1e-2, wd=0.1)
     ours, ref = make_model(), make_model()
-    opt, ref_opt = make(ours, backend), make(ref, 'loop')
+    opt, ref_opt = make(ours, aot(backend)), make(ref, 'loop')
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         for i in range(5):
@@ -244,9 +244,10 @@ def test_unknown_backend():
 
 def test_auto_times_foreach_and_loop_on_cpu():
     "On CPU auto tries foreach and loop on each bucket layout, then keeps the faster; results stay the loop's."
-    opt, _ = run_vs_loop('rmsprop', 'auto', steps=2 + 2 * backends.AUTO_TRIALS, rtol=0)
-    trials = [t for t in backends._runtime(opt).auto_times.values() if sum(map(len, t.values())) > 1]
-    assert trials and all(len(t['foreach']) == len(t['loop']) == backends.AUTO_TRIALS for t in trials)
+    trials_n = cbopt.Backend().auto_trials
+    opt, _ = run_vs_loop('rmsprop', 'auto', steps=2 + 2 * trials_n, rtol=0)
+    trials = [t for t in runtime.runtime(opt).auto_times.values() if sum(map(len, t.values())) > 1]
+    assert trials and all(len(t['foreach']) == len(t['loop']) == trials_n for t in trials)
 
 
 def test_wrappers_keep_the_backend():
@@ -257,23 +258,23 @@ def test_wrappers_keep_the_backend():
 
 
 @pytest.mark.parametrize('name', ['adam', 'lamb', 'ranger', 'sgd-mom'])
-def test_foreach_runs_cpu_buckets_in_cache_sized_chunks(name, monkeypatch):
+def test_foreach_runs_cpu_buckets_in_cache_sized_chunks(name):
     "A CPU bucket larger than FOREACH_CHUNK_BYTES runs chunk by chunk (cache reuse between ops): still bit-exact."
-    monkeypatch.setattr(backends, 'FOREACH_CHUNK_BYTES', 100)
+    small = cbopt.Backend('foreach', cpu_chunk_bytes=100)
     model = make_model()
-    opt = build(name, two_groups(model), 3e-2, 'foreach')
+    opt = build(name, two_groups(model), 3e-2, small)
     set_grads(model, 0)
-    sizes = [[p.numel() * p.element_size() for p in c.params] for b in backends.buckets(opt) for c in backends.cache_chunks(b)]
-    assert len(sizes) > len(backends.buckets(opt))
+    sizes = [[p.numel() * p.element_size() for p in c.params] for b in bucketing.buckets(opt) for c in bucketing.cache_chunks(b, 100)]
+    assert len(sizes) > len(bucketing.buckets(opt))
     assert all(len(c) == 1 or sum(c) <= 100 for c in sizes)
-    run_vs_loop(name, 'foreach', rtol=0)
+    run_vs_loop(name, small, rtol=0)
 
 
 def test_fallback_probes_a_layout_once(monkeypatch):
     "After a bucket layout fails its probe, later steps go straight to the per-param loop (no probe per step)."
     calls = []
-    real = backends.probe
-    monkeypatch.setattr(backends, 'probe', lambda *a: calls.append(1) or real(*a))
+    real = foreach_runner.probe
+    monkeypatch.setattr(foreach_runner, 'probe', lambda *a: calls.append(1) or real(*a))
     ours, ref = make_model(), make_model()
     make = lambda m, be: cbopt.Optimizer(two_groups(m), [cbopt.weight_decay, grad_avg_then_branch, cbopt.momentum_step],
                                          backend=be, lr=1e-2, wd=0.1)
@@ -284,4 +285,4 @@ def test_fallback_probes_a_layout_once(monkeypatch):
             train(ref_opt, ref, 1, start=i), train(opt, ours, 1, start=i)
             assert_rel_close(ours, ref, rtol=0)
             if i == 1: after_two = len(calls)  # layouts: stateless on step 1, with `grad_avg` from step 2 on
-    assert after_two == 2 * len(backends.buckets(opt)) and len(calls) == after_two
+    assert after_two == 2 * len(bucketing.buckets(opt)) and len(calls) == after_two

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cbopt
-from cbopt import bench
+from cbopt.cli import bench
 
 
 @pytest.fixture(scope='module')

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cbopt import demo
+from cbopt.cli import demo
 
 EXPECTED = list(demo.optimizers())
 
@@ -74,5 +74,5 @@ def _with_first_cb(opt, cb):
 
 
 def test_import_cbopt_does_not_need_matplotlib():
-    code = "import sys, cbopt, cbopt.demo; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    code = "import sys, cbopt, cbopt.cli.demo; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, '-c', code], check=True, timeout=60)

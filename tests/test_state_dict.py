@@ -8,6 +8,7 @@ from fastai.optimizer import Adam as FastaiAdam
 from torch import nn
 
 import cbopt
+from cbopt.state import split_flags
 
 
 def model(seed=0, dtype=torch.float32):
@@ -73,7 +74,8 @@ def test_format_and_weights_only(tmp_path):
     assert all(s['step'] == 2 and type(s['step']) is int for s in sd['state'].values())
     assert [g['params'] for g in sd['param_groups']] == [fqns, ['extra']]
     assert [g['lr'] for g in sd['param_groups']] == [0.01, 0.5]
-    assert {k for k in sd['param_groups'][0] if k != 'params'} == set(opt.hypers[0])
+    assert {k for k in sd['param_groups'][0] if k not in ('params', 'chain')} == set(opt.hypers[0])
+    assert [g['chain'] for g in sd['param_groups']] == ['weight_decay,average_grad,average_sqr_grad,step_stat,adam_step'] * 2
     torch.save(sd, tmp_path / 'opt.pt')
     loaded = torch.load(tmp_path / 'opt.pt', weights_only=True)
     assert loaded['param_groups'] == sd['param_groups']
@@ -209,8 +211,10 @@ def test_load_moves_to_param_device():
 
 # -- init_state --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, lr=0.1, wd=0.1), lambda ps: cbopt.SGD(ps, lr=0.1, mom=0.9, wd=0.1),
-                                  lambda ps: cbopt.RMSProp(ps, lr=0.1, mom=0.5)], ids=['adam', 'sgd', 'rmsprop'])
+                                  lambda ps: cbopt.RMSProp(ps, lr=0.1, mom=0.5), lambda ps: cbopt.ranger(ps, lr=0.1)],
+                         ids=['adam', 'sgd', 'rmsprop', 'ranger'])
 def test_init_state(make):
+    "init_state creates the declared state as it is before a first step: no param changes, and training on is bit-exact."
     m = model()
     opt = make(m.named_parameters())
     opt.state[opt.params[0]]['do_wd'] = False
@@ -218,21 +222,33 @@ def test_init_state(make):
     opt.init_state()
     for p, b in zip(m.parameters(), before): torch.testing.assert_close(p, b, rtol=0, atol=0)
     assert all(p.grad is None for p in m.parameters())
-    # the reference: what torch's DCP does to initialise lazy state (zero grads, lr=0, one step)
+    assert all(split_flags(opt.state[p])[0] for p in opt.params)  # every param has its state
+    for p in opt.params:
+        for k, v in opt.state[p].items():
+            if k == 'slow_p': torch.testing.assert_close(v, p, rtol=0, atol=0)  # Lookahead's slow weights: the params
+            elif torch.is_tensor(v): assert v.shape == p.shape and not v.any(), k  # moments start at zero
+            elif k in ('step', 'la_step'): assert v == 0, k
     ref_m = model()
     ref = make(ref_m.named_parameters())
     ref.state[ref.params[0]]['do_wd'] = False
-    lrs = [g['lr'] for g in ref.param_groups]
-    ref.set_hyper('lr', 0.)
-    for p in ref.params: p.grad = torch.zeros_like(p)
-    ref.step()
-    ref.set_hyper('lr', lrs)
+    opt.backend = ref.backend = 'loop'  # (under auto, Adam's state-complete first step would take torch's fused kernel)
+    run(opt, 3), run(ref, 3)  # the same as never calling init_state
     assert_same_state(opt, ref)
     assert opt.state[opt.params[0]]['do_wd'] is False
-    run(opt, 2), run(ref, 2)  # existing state is kept by a second init_state
     snap = snapshot(opt)
-    opt.init_state()
+    opt.init_state()  # existing state is kept
     assert_same(snapshot(opt), snap)
+
+
+def test_init_state_undeclared_chain_dry_runs():
+    "A fastai-style callback that declares no state: init_state takes the state a first step with a zero grad leaves."
+    def ema(p, grad_avg=None, **kwargs):
+        if grad_avg is None: grad_avg = torch.ones_like(p.grad)
+        grad_avg.mul_(0.5).add_(p.grad)
+        return {'grad_avg': grad_avg}
+    opt = cbopt.Optimizer(model().named_parameters(), [ema, cbopt.momentum_step], lr=0.1)
+    opt.init_state()
+    assert all(torch.equal(opt.state[p]['grad_avg'], torch.full_like(p, 0.5)) for p in opt.params)
 
 
 def test_init_state_then_load():

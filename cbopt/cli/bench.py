@@ -263,7 +263,7 @@ def peak_memory(names: list[str], quick: bool, backends: list[str], progress: Pr
         return res
     res = {}
     for name in names:
-        code = (f'import json, torch, cbopt.bench as b; torch.set_num_threads({torch.get_num_threads()}); '
+        code = (f'import json, torch, cbopt.cli.bench as b; torch.set_num_threads({torch.get_num_threads()}); '
                 f'print(json.dumps(b.step_peak_memory([{name!r}], False, {backends!r})))')
         run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
         res[name] = json.loads(run.stdout.strip().splitlines()[-1])[name] if run.returncode == 0 else None

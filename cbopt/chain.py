@@ -1,0 +1,170 @@
+"""The callback protocol: what a step callback is, how a chain of them runs, and what a callback may declare.
+
+A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None` (fastai's contract): it reads the param
+`p` (`p.data`, `p.grad`), its state and its group's hypers by keyword, updates tensors in place, and returns the state
+entries it created. Alongside the function, as fastai attaches `defaults`, a callback may declare:
+
+- `cb.defaults = dict(mom=0.9)`: the hypers it reads, with their defaults;
+- `cb.state = dict(grad_avg=zeros, step=0)`: the state it creates, each entry's value before the first step (a
+  number, or a function of the param giving a tensor). A callback that creates nothing declares `cb.state = {}`.
+  Declared state is created by `init_chain_state` with no dry run (what `Optimizer.init_state`, the functional
+  `init` and distributed checkpoints need). A chain with an undeclared callback falls back to a dry run on a copy;
+- `cb.transient = ('local_lr',)`: state entries that live for one step: removed after the chain, never saved;
+- `cb.scope = 'tensor'`: it reduces over a whole param (a norm, an orthogonalisation), so it is not safe to run on a
+  shard of one; the default for a declared callback is `'element'`;
+- `cb.shared = ('grad_avg',)`: entries it creates that another callback of the chain also creates, on purpose.
+  Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
+
+This module imports nothing from cbopt: every other module may import it.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_sig', 'chain_name', 'declared_state',
+           'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
+           'zeros', 'copy_of_param', 'SCOPES']
+
+SCOPES = ('element', 'tensor')
+
+
+def unwrap(cb: Callable) -> Callable:
+    "The function under any `functools.partial`s: declarations live on it."
+    while isinstance(cb, functools.partial): cb = cb.func
+    return cb
+
+
+def cb_name(cb: Callable) -> str:
+    "A callback's name, for messages and checkpoints (`partial(average_grad, ...)` is `average_grad`)."
+    cb = unwrap(cb)
+    return getattr(cb, '__name__', type(cb).__name__)
+
+
+def cb_defaults(cb: Callable) -> dict:
+    "The hypers a callback asks for, with its defaults (`partial`s included; fastai's `_defaults` too)."
+    f = unwrap(cb)
+    return {**getattr(f, '_defaults', {}), **getattr(f, 'defaults', {})}
+
+
+def chain_defaults(cbs: Iterable[Callable]) -> dict:
+    "The hypers of a chain with their defaults; a later callback's default wins, as in fastai."
+    out = {}
+    for cb in cbs: out.update(cb_defaults(cb))
+    return out
+
+
+def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
+    "Run each callback on `p` with its state and hypers as keywords, merging the state it returns (fastai's step)."
+    for cb in cbs:
+        new = cb(p, **{**state, **hyper})
+        if isinstance(new, dict): state.update(new)
+
+
+# -- identity of a chain ---------------------------------------------------------------------------------------------
+def _cb_sig(cb: Callable) -> tuple | Callable:
+    "A callback by what it computes: `partial`s compare by function and arguments, not by identity."
+    if isinstance(cb, functools.partial): return (_cb_sig(cb.func), cb.args, tuple(sorted(cb.keywords.items())))
+    return cb
+
+
+def chain_sig(cbs: Iterable[Callable]) -> tuple:
+    "A hashable key for what a chain computes (compiled-chain caches and fused-kernel matching use it)."
+    return tuple(_cb_sig(cb) for cb in cbs)
+
+
+def chain_name(cbs: Iterable[Callable]) -> str:
+    "A readable name of a chain, saved with each group so a load can tell another algorithm's state."
+    return ','.join(cb_name(cb) for cb in cbs)
+
+
+# -- declarations ----------------------------------------------------------------------------------------------------
+def declared_state(cb: Callable) -> dict | None:
+    "What `cb` declares it creates (name -> initial value or initializer), or None for an undeclared callback."
+    st = getattr(unwrap(cb), 'state', None)
+    return dict(st) if isinstance(st, Mapping) else None
+
+
+def is_declared(cbs: Iterable[Callable]) -> bool:
+    "Whether every callback of the chain declares its state, so that its state can be created without a dry run."
+    return all(declared_state(cb) is not None for cb in cbs)
+
+
+def transient_keys(cbs: Iterable[Callable]) -> frozenset:
+    "The state entries of a chain that live for one step only."
+    return frozenset(k for cb in cbs for k in getattr(unwrap(cb), 'transient', ()))
+
+
+def scope(cb: Callable) -> str | None:
+    "`'element'` or `'tensor'` (see the module docstring); None when the callback declares nothing (unknown)."
+    f = unwrap(cb)
+    s = getattr(f, 'scope', None)
+    if s is None: return 'element' if declared_state(f) is not None else None
+    if s not in SCOPES: raise ValueError(f"callback {cb_name(cb)!r} declares scope {s!r}: expected one of {SCOPES}")
+    return s
+
+
+def chain_scope(cbs: Iterable[Callable]) -> str | None:
+    "`'element'` if every callback is elementwise, `'tensor'` if one reduces over a param, None if one is undeclared."
+    scopes = [scope(cb) for cb in cbs]
+    if None in scopes: return None
+    return 'tensor' if 'tensor' in scopes else 'element'
+
+
+def zeros(p) -> torch.Tensor:
+    "Initializer: zeros like the param (a moment buffer)."
+    return torch.zeros_like(p.data)
+
+
+def copy_of_param(p) -> torch.Tensor:
+    "Initializer: a copy of the param as it is (Lookahead's slow weights)."
+    return p.data.clone()
+
+
+def init_chain_state(cbs: Iterable[Callable], p) -> dict:
+    "The state a declared chain holds for `p` before its first step."
+    out = {}
+    for cb in cbs:
+        for k, v in (declared_state(cb) or {}).items():
+            if k not in out: out[k] = v(p) if callable(v) else v
+    return out
+
+
+def _creators(cbs: Iterable[Callable]) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for cb in cbs:
+        st = declared_state(cb)
+        for k in [*(st or {}), *getattr(unwrap(cb), 'transient', ())]: out.setdefault(k, []).append(cb)
+    return out
+
+
+def check_returns(creators: Mapping[str, list]) -> None:
+    "Raise if two callbacks create the same state entry and do not both declare it `shared`."
+    for k, cbs in creators.items():
+        if len(cbs) > 1 and not all(k in getattr(unwrap(cb), 'shared', ()) for cb in cbs):
+            names = ' and '.join(repr(cb_name(cb)) for cb in cbs)
+            raise ValueError(f"callbacks {names} both create the state entry {k!r}, so they would update one buffer "
+                             f"twice; rename one, or declare `shared = ({k!r},)` on each to share it on purpose")
+
+
+def check_chain(cbs: Iterable[Callable]) -> None:
+    "Check a chain's declarations: callables, valid scopes, no accidental shared state."
+    cbs = list(cbs)
+    for cb in cbs:
+        if not callable(cb): raise TypeError(f"callback {cb!r} is not callable")
+        scope(cb)
+    check_returns(_creators(cbs))
+
+
+def run_chain_checked(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
+    "`run_chain`, also checking that no two callbacks return one state entry (for undeclared callbacks, on a dry run)."
+    creators: dict[str, list] = {}
+    for cb in cbs:
+        new = cb(p, **{**state, **hyper})
+        if isinstance(new, dict):
+            for k in new: creators.setdefault(k, []).append(cb)
+            state.update(new)
+    check_returns(creators)

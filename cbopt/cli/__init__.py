@@ -1,0 +1,1 @@
+"""`python -m cbopt demo` and `python -m cbopt bench`: tools, outside the import path of `import cbopt`."""

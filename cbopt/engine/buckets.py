@@ -1,0 +1,95 @@
+"""Buckets: the params with a grad, split into groups that one call of a chain can serve.
+
+A bucket's params share their group (so their chain and hypers), device, dtype, flags, the keys of their tensor
+state and the values of their Python state (a step count is one number for the whole call). A bucket's state is each
+param's own `opt.state[p]` dict, viewed as `TensorList`s while the chain runs, so state_dicts are the same whatever
+the backend, and a checkpoint saved under one resumes under any other.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..tensorlist import TensorList
+
+__all__ = ['Bucket', 'buckets', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks']
+
+
+class Bucket(NamedTuple):
+    "Params that one call of the chain can serve: same group, device, dtype, flags, Python state and state keys."
+    group: dict
+    params: list
+    states: list  # each param's own `opt.state[p]` dict
+
+    @property
+    def cbs(self) -> list: return self.group['cbs']
+
+    @property
+    def layout(self) -> tuple:
+        "What a compiled chain is specialised on (group, device, dtype, size, state keys), taken as the state is now."
+        p = self.params[0]
+        return (id(self.group), p.device, p.dtype, len(self.params), tuple(self.states[0]))
+
+
+def _state_key(st: dict) -> tuple:
+    "Tensor state by key only; Python values (step counts, flags) by value, as one call must share them."
+    return tuple([k if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items()])
+
+
+def buckets(opt) -> list[Bucket]:
+    "The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys)."
+    out, state = {}, opt.state
+    for gi, g in enumerate(opt.param_groups):
+        for p in g['params']:
+            if p.grad is None: continue
+            st = state[p]
+            key = (gi, p.device, p.dtype, _state_key(st))
+            try: b = out.get(key)
+            except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
+            if b is None: b = out[key] = Bucket(g, [], [])
+            b.params.append(p)
+            b.states.append(st)
+    return list(out.values())
+
+
+def stand_in(b: Bucket) -> TensorList:
+    "The bucket as one param: a TensorList of its params whose `.grad` is the TensorList of their grads."
+    p = TensorList(b.params)
+    p.grad = TensorList([q.grad for q in b.params])
+    return p
+
+
+def bucket_state(b: Bucket) -> dict:
+    "The bucket's state as callbacks see it: tensors as TensorLists, Python values (shared by the bucket) as they are."
+    return {k: TensorList([s[k] for s in b.states]) if isinstance(v, torch.Tensor) else v for k, v in b.states[0].items()}
+
+
+def write_state(b: Bucket, before: dict, after: dict, transient: frozenset = frozenset()) -> None:
+    """Give each param its own tensor of every new TensorList state entry, and every param the new Python values;
+    transient entries are dropped."""
+    for k, v in after.items():
+        if k in transient:
+            for s in b.states: s.pop(k, None)
+            continue
+        if v is before.get(k): continue
+        if isinstance(v, TensorList):
+            for s, t in zip(b.states, v, strict=True): s[k] = t
+        else:
+            for s in b.states: s[k] = v
+
+
+def cache_chunks(b: Bucket, chunk_bytes: int) -> list[Bucket]:
+    """On CPU, `b` split into runs of params of about `chunk_bytes` (a larger param alone), so that the chain's next
+    op finds the previous op's tensors still in cache instead of streaming the whole bucket from memory once per op;
+    the same ops on the same tensors, so results do not change. Accelerators take the bucket whole (one launch)."""
+    if b.params[0].device.type != 'cpu': return [b]
+    chunks, start, size = [], 0, 0
+    for i, p in enumerate(b.params):
+        n = p.numel() * p.element_size()
+        if i > start and size + n > chunk_bytes:
+            chunks.append(Bucket(b.group, b.params[start:i], b.states[start:i]))
+            start, size = i, 0
+        size += n
+    chunks.append(Bucket(b.group, b.params[start:], b.states[start:]))
+    return chunks

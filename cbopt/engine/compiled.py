@@ -1,0 +1,135 @@
+"""The `fused` runner's general case: a bucket's whole chain compiled into one pass with `torch.compile`.
+
+Compiled with dynamic shapes, and with every Python number turned into a tensor op (`ScalarArgsAsTensors`), so a
+changed lr or step count never recompiles. Compiled once per chain and layout and kept in-process. The first step of
+a layout, which creates the state, runs eagerly (foreach); a chain that does not compile runs with foreach, with a
+one-time warning.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ..chain import chain_sig, run_chain, transient_keys
+from .buckets import Bucket
+from .foreach import foreach_bucket
+from .runtime import runtime, warn_once
+
+__all__ = ['ScalarArgsAsTensors', 'compiled_bucket', 'fused_bucket']
+
+
+class ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
+    """Inside the compiled chain, turn `alpha=`/`value=`/`weight=`/clamp numbers into tensor ops: torch.compile keeps
+    a Python number symbolic (no recompile when lr or step change) only where it meets a tensor, and would otherwise
+    bake it into the graph and recompile at every new value."""
+    ALPHA = {torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_, torch.add, torch.sub}
+    VALUE = {torch.Tensor.addcmul, torch.Tensor.addcmul_, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.addcmul,
+             torch.addcdiv}
+    LERP = {torch.Tensor.lerp: torch.Tensor.add, torch.Tensor.lerp_: torch.Tensor.add_, torch.lerp: torch.add}
+    CLAMP = {torch.Tensor.clamp, torch.Tensor.clip, torch.clamp, torch.clip}
+    CLAMP_ = {torch.Tensor.clamp_, torch.Tensor.clip_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self.CLAMP or func in self.CLAMP_:  # as maximum/minimum with tensors (seen miscompiled otherwise)
+            x, bounds = args[0], [*args[1:], None, None]
+            lo, hi = kwargs.get('min', bounds[0]), kwargs.get('max', bounds[1])
+            as_t = lambda v: v if isinstance(v, torch.Tensor) else torch.zeros_like(x) + v
+            res = x if lo is None else torch.maximum(x, as_t(lo))
+            res = res if hi is None else torch.minimum(res, as_t(hi))
+            return x.copy_(res) if func in self.CLAMP_ else res
+        if func in self.ALPHA and 'alpha' in kwargs: args = (args[0], args[1] * kwargs.pop('alpha'), *args[2:])
+        elif func in self.VALUE and 'value' in kwargs: args = (args[0], args[1] * kwargs.pop('value'), *args[2:])
+        elif func in self.LERP and len(args) == 3 and not isinstance(args[2], torch.Tensor):
+            x, end, w = args  # x + w * (end - x)
+            return self.LERP[func](x, (end - x) * w)
+        return func(*args, **kwargs)
+
+
+_COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
+
+
+def _fused_chain_fn(cbs, name: str) -> Callable:
+    "The chain over a list of params as one function, under a code object of its own (torch.compile caches per code)."
+    transient = transient_keys(cbs)
+    def fused_chain(params, tstates, pystate, hyper):
+        new_t, new_py = [], {}
+        with ScalarArgsAsTensors():
+            for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
+                st = {**pystate, **ts}
+                run_chain(cbs, p, st, hyper)
+                new_t.append({k: v for k, v in st.items()
+                              if isinstance(v, torch.Tensor) and v is not ts.get(k) and k not in transient})
+                new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor) and k not in transient}
+        return new_t, new_py
+    code = fused_chain.__code__.replace(co_name=name)
+    return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
+
+
+def compiled_chain(cbs, compiler: str, b: Bucket, idx: list) -> Callable:
+    """The chain compiled for the params `idx` of `b`, with dynamic shapes and Python numbers: a change of lr or step
+    does not recompile. Compiled once per chain and layout (device, dtype, ranks, state keys) in this process."""
+    p0 = b.params[idx[0]]
+    key = (compiler, chain_sig(cbs), p0.device, p0.dtype, tuple(b.params[i].ndim for i in idx), tuple(b.states[idx[0]]))
+    if key not in _COMPILED:
+        fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
+        _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=True)
+    return _COMPILED[key]
+
+
+def shape_chunks(shapes: list[tuple], chunk: int) -> list[list[int]]:
+    """Indices of same-shape params, in chunks of at most `chunk`. Same shapes let inductor step a whole chunk in one
+    loop; a size from chunk/2 to chunk that divides a shape's count (1000 params: 40 chunks of 25) spares the compile
+    of a remainder chunk. With dynamic shapes, chunks of the same rank and length share one compiled graph."""
+    groups: dict = {}
+    for i, s in enumerate(shapes): groups.setdefault(s, []).append(i)
+    out = []
+    for idx in groups.values():
+        k = next((k for k in range(chunk, chunk // 2 - 1, -1) if len(idx) % k == 0), chunk)
+        out += [idx[j:j + k] for j in range(0, len(idx), k)]
+    return out
+
+
+class CompileFailed(Exception):
+    "The chain did not compile; `rest` is the part of the bucket that was not touched."
+    def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
+
+
+def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    """Step `b` with the compiled chain, in chunks of params of the same shape (`shape_chunks`). Compilation traces
+    the chain before running anything, so a chain that cannot compile raises before its first chunk is touched."""
+    options = opt.backend_options
+    pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
+    chunks = shape_chunks([p.shape for p in b.params], options.compile_chunk)
+    hyper = dict(hyper)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # nn.Parameters get dynamic shapes too
+        for j, idx in enumerate(chunks):
+            tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
+            fn = compiled_chain(b.cbs, options.compiler, b, idx)
+            try: new_t, new_py = fn([b.params[i] for i in idx], tstates, pystate, hyper)
+            except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
+                rest = [i for c in chunks[j:] for i in c]
+                raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
+            for i, nt in zip(idx, new_t):
+                b.states[i].update(nt)
+                b.states[i].update(new_py)
+
+
+def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+    """One pass over `b` with the compiled chain, once a first eager (foreach) step of this layout has created the
+    state; foreach (warning once) if the chain does not compile."""
+    rt, layout = runtime(opt), b.layout
+    if layout in rt.no_compile or layout not in rt.seen:
+        ran_bucketwise = foreach_bucket(opt, b, hyper)
+        rt.seen.add(layout)
+        if ran_bucketwise: rt.seen.add(b.layout)  # the layout after the step is state-complete: compile it next time
+        else: rt.no_compile.add(layout)  # a chain that cannot run bucket-wise cannot compile either
+        return
+    try: compiled_bucket(opt, b, hyper)
+    except CompileFailed as e:
+        rt.no_compile.add(layout)
+        warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e.err).__name__}: "
+                  f"{e.err}); running it with the foreach backend")
+        foreach_bucket(opt, e.rest, hyper)

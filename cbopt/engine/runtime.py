@@ -1,0 +1,50 @@
+"""What the engine remembers about an optimizer between steps (kept off the optimizer, so that pickling and deepcopy
+never see it), and warnings that point at the user's line."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+import weakref
+
+import torch
+
+__all__ = ['runtime', 'warn_once', 'user_stacklevel']
+
+
+class Runtime:
+    "An optimizer's engine memory: warnings given, layouts seen, runners chosen and timed."
+    def __init__(self):
+        self.warned: set = set()
+        self.seen: set = set()        # layouts stepped once eagerly (the fused runner compiles from the next step)
+        self.no_compile: set = set()  # layouts whose chain did not compile
+        self.per_param: set = set()   # layouts whose chain failed the foreach probe: they run param by param
+        self.checked: set = set()     # chains checked for two callbacks creating one state entry
+        self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...]}
+
+
+_RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def runtime(opt) -> Runtime:
+    if opt not in _RUNTIME: _RUNTIME[opt] = Runtime()
+    return _RUNTIME[opt]
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules['cbopt'], torch))
+
+
+def user_stacklevel() -> int:
+    "The `stacklevel` of the first caller outside cbopt and torch (an LR scheduler's or torch's hook wrappers)."
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_once(opt, key, msg: str) -> None:
+    "Warn once per optimizer and `key`, at the user's line."
+    rt = runtime(opt)
+    if key not in rt.warned:
+        rt.warned.add(key)
+        warnings.warn(msg, stacklevel=user_stacklevel())

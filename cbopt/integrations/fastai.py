@@ -1,0 +1,62 @@
+"""fastai's Learner, as the only place in cbopt that knows about fastai.
+
+`Learner(dls, model, opt_func=cbopt.Adam)` works unchanged, which needs two things fastai does not tell an optimizer:
+
+- **Names.** A Learner hands `opt_func` unnamed param lists (its splitter's output). So that a Learner checkpoint is
+  keyed like `learn.model.state_dict()`, and loads into a plain `cbopt.Adam(model.named_parameters())` and back,
+  `name_from_learner` finds the Learner whose `create_opt` is building the optimizer and names the params by
+  `learn.model`'s FQNs.
+- **lr_find's restore.** `lr_find` saves the optimizer before it runs (often still fresh, so with no state) and loads
+  it back after, through `load_model`, which turns any error into a "Could not load the optimizer state" warning. So
+  when fastai's `load_model` is the caller, a checkpoint with no state at all restores the fresh state (as
+  `clear_state()`, flags kept) instead of raising.
+
+fastai passes neither hint, so both look up the call stack for fastai.learner's frames. This never imports fastai:
+no frame can be fastai's unless `fastai.learner` is already imported. fastai's `Learner.fit` also calls
+`opt.set_hypers(lr=..., wd=...)` and its schedules set `mom`: every cbopt optimizer accepts those.
+"""
+from __future__ import annotations
+
+import sys
+from types import FrameType
+
+import torch
+
+from .. import optimizer as _optimizer
+
+__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model']
+
+MAX_DEPTH = 10  # frames between fastai's create_opt/load_model and cbopt (opt_func partials, Optimizer.__init__)
+
+
+def fastai_frame(fn: str, depth: int = MAX_DEPTH) -> FrameType | None:
+    "The frame of fastai.learner's `fn` (`create_opt`, `load_model`, ...) if it is among our `depth` callers."
+    mod = sys.modules.get('fastai.learner')
+    if mod is None: return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None: return None
+        if frame.f_code.co_name == fn and (frame.f_globals is vars(mod)
+                                           or isinstance(frame.f_locals.get('self'), mod.Learner)): return frame
+        frame = frame.f_back
+    return None
+
+
+def learner_model() -> torch.nn.Module | None:
+    "The model of the fastai Learner whose `create_opt` is building an optimizer, if any."
+    frame = fastai_frame('create_opt', MAX_DEPTH + 2)
+    return getattr(frame.f_locals.get('self'), 'model', None) if frame else None
+
+
+def name_from_learner(opt) -> None:
+    "Name `opt`'s params by the FQNs of the Learner's model that is creating it (a no-op outside a Learner)."
+    if (model := learner_model()) is not None: opt.name_params(model)
+
+
+def fresh_ok_in_load_model(opt) -> bool:
+    "Whether fastai's `load_model` (lr_find's restore) is loading: then a checkpoint with no state restarts `opt`."
+    return fastai_frame('load_model', MAX_DEPTH + 2) is not None
+
+
+_optimizer.on_create.append(name_from_learner)
+_optimizer.load_policies.append(fresh_ok_in_load_model)

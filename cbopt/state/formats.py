@@ -1,0 +1,89 @@
+"""Other libraries' optimizer state_dicts read as cbopt's named format: torch.optim's (integer ids, with or without
+`param_names`; `exp_avg` is `grad_avg`, `betas` are `mom`/`sqr_mom`, ...) and fastai's (state listed by position,
+one hypers dict per group, Lookahead's slow weights)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .flags import split_flags
+
+if TYPE_CHECKING: from ..optimizer import Optimizer
+
+__all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE']
+
+# torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
+TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg'}
+TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
+                    'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr'}
+TORCH_OPTIONAL_STATE = ('step',)  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
+
+
+def _is_positional(names: list[str]) -> bool: return all(n == str(i) for i, n in enumerate(names))
+
+
+def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
+    "A torch.optim state_dict (integer ids in param order) renamed to FQNs and to cbopt's state and hyper names."
+    groups, ours = sd['param_groups'], opt.param_groups
+    if len(groups) != len(ours):
+        raise ValueError(f"the torch.optim state_dict has {len(groups)} param groups, this optimizer {len(ours)}")
+    id2name, out_groups = {}, []
+    for i, (g, mine) in enumerate(zip(groups, ours)):
+        if len(g['params']) != len(mine['params']):
+            raise ValueError(f"param group {i} has {len(g['params'])} params in the torch.optim state_dict, "
+                             f"{len(mine['params'])} here")
+        their_names = g.get('param_names')
+        for j, (pid, name) in enumerate(zip(g['params'], mine['param_names'])):
+            if their_names is not None and not _is_positional(opt.param_names) and their_names[j] != name:
+                raise ValueError(f"param {j} of group {i} is {their_names[j]!r} in the torch.optim state_dict "
+                                 f"but {name!r} here")
+            id2name[pid] = name
+        hypers = {TORCH_HYPER_KEYS[k]: v for k, v in g.items() if k in TORCH_HYPER_KEYS}
+        if 'betas' in g: hypers['mom'], hypers['sqr_mom'] = g['betas'][0], g['betas'][1]
+        out_groups.append({**hypers, 'params': list(mine['param_names'])})
+    state = {}
+    for pid, s in sd['state'].items():
+        if pid not in id2name: raise ValueError(f"the torch.optim state_dict has state for param id {pid}, which no group lists")
+        new = {}
+        for k, v in s.items():
+            if v is None: continue
+            if k == 'step': v = int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+            new[TORCH_STATE_KEYS.get(k, k)] = v
+        state[id2name[pid]] = new
+    return {'state': state, 'param_groups': out_groups}
+
+
+def _from_fastai(opt: Optimizer, sd: Mapping) -> dict:
+    """A fastai Optimizer state_dict (state listed in param order, one hypers dict per group) keyed by FQN. A fastai
+    Lookahead's `count` and `slow_weights` become each param's `la_step` and `slow_p` (cbopt's Lookahead state)."""
+    states, hypers = list(sd['state']), list(sd['hypers'])
+    if len(hypers) != len(opt.param_groups):
+        raise ValueError(f"the fastai state_dict has {len(hypers)} param groups, this optimizer {len(opt.param_groups)}")
+    if len(states) != len(opt.params):
+        raise ValueError(f"the fastai state_dict has state for {len(states)} params, this optimizer has {len(opt.params)}")
+    state = {n: dict(s) for n, s in zip(opt.param_names, states) if s}
+    if sd.get('slow_weights') is not None:  # fastai's Lookahead: one step count, and slow weights listed per group
+        slow = [w for g in sd['slow_weights'] for w in g]
+        if len(slow) != len(opt.params):
+            raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, "
+                             f"this optimizer has {len(opt.params)}")
+        stateless = not any(split_flags(s)[0] for s in states)  # e.g. Lookahead over plain SGD: slow weights are all
+        for n, s, w in zip(opt.param_names, states, slow):
+            if stateless or split_flags(s)[0]: state.setdefault(n, {}).update(slow_p=w, la_step=int(sd['count']))
+    groups = [{**dict(h), 'params': list(g['param_names'])} for h, g in zip(hypers, opt.param_groups)]
+    return {'state': state, 'param_groups': groups}
+
+
+def to_named(opt: Optimizer, sd: Any) -> tuple[dict, str]:
+    "Any supported state_dict as a cbopt FQN-keyed one, and where it came from: 'cbopt', 'torch' or 'fastai'."
+    if not isinstance(sd, Mapping) or 'state' not in sd:
+        raise TypeError(f"expected a state_dict with a 'state' entry, got {type(sd).__name__}")
+    if 'hypers' in sd and not isinstance(sd['state'], Mapping): return _from_fastai(opt, sd), 'fastai'
+    if 'param_groups' not in sd: raise ValueError("the state_dict has no 'param_groups'")
+    ids = [pid for g in sd['param_groups'] for pid in g['params']]
+    if ids and all(isinstance(i, int) for i in ids): return _from_torch(opt, sd), 'torch'
+    if not all(isinstance(i, str) for i in ids):
+        raise ValueError("the state_dict's param groups list params that are neither FQNs (str) nor torch ids (int)")
+    return sd, 'cbopt'
