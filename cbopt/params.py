@@ -118,8 +118,8 @@ def _split_groups(params: Any) -> list[dict]:
         groups = []
         for i, o in enumerate(items):
             o = _check_form(o, f' at position {i}')
-            groups.append({'params': o if isinstance(o, Mapping) or not isinstance(o, Iterable) or isinstance(o, (str, bytes))
-                           else list(o)})
+            listable = isinstance(o, Iterable) and not isinstance(o, (Mapping, str, bytes))  # others: _flatten names them
+            groups.append({'params': list(o) if listable else o})
         return groups
     return [{'params': items}]
 
