@@ -46,6 +46,12 @@ def _wrap(res: list):
     raise BucketError(f"an op gave {type(res[0]).__name__} values per param, which a bucket cannot hold as one value")
 
 
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    "torch.linalg.vector_norm per tensor; one foreach kernel for the norm of all of each tensor's elements."
+    if dim is None and not keepdim and isinstance(x, TensorList): return TensorList(torch._foreach_norm(list(x), ord, dtype=dtype))
+    return _zip_call(torch.linalg.vector_norm, (x, ord, dim, keepdim), {'dtype': dtype})
+
+
 class TensorList(list):
     "A list of tensors that behaves like one tensor: ops run over all of them (see the module docstring)."
     grad: TensorList | None = None  # set on a bucket's stand-in param
@@ -73,8 +79,7 @@ class TensorList(list):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         "torch functions (`torch.zeros_like`, `torch.where`, `F.softplus`...) called with TensorLists."
         kwargs = kwargs or {}
-        if func is torch.linalg.vector_norm and not kwargs.get('dim') and len(args) < 3:
-            return TensorList(torch._foreach_norm(list(args[0]), *args[1:], **kwargs))
+        if func is torch.linalg.vector_norm: return _vector_norm(*args, **kwargs)
         name = getattr(func, '__name__', '')
         if func is getattr(torch, name, None) and isinstance(args[0], TensorList) and hasattr(cls, name):
             return getattr(args[0], name)(*args[1:], **kwargs)  # torch.sqrt(tl), torch.add(tl, 1)...: the method
@@ -173,9 +178,12 @@ class TensorList(list):
     def clone(self, **kwargs): return TensorList(torch._foreach_clone(list(self), **kwargs))
     def detach(self): return TensorList(t.detach() for t in self)
 
-    def norm(self, p=2, dim=None, **kwargs):
-        if dim is not None: return self.__getattr__('norm')(p, dim, **kwargs)
-        return TensorList(torch._foreach_norm(list(self), p))
+    def norm(self, p='fro', dim=None, keepdim=False, dtype=None, out=None):
+        "Tensor.norm per tensor (torch.norm too); one foreach kernel for the norm of all of each tensor's elements."
+        if out is not None: raise TypeError("TensorList.norm() takes no 'out'")
+        if dim is None and not keepdim and (p == 'fro' or isinstance(p, Number)):
+            return TensorList(torch._foreach_norm(list(self), 2 if p == 'fro' else p, dtype=dtype))
+        return _zip_call(torch.Tensor.norm, (self, p, dim, keepdim), {'dtype': dtype})
 
     # -- operators -----------------------------------------------------------------------------------------------
     def __add__(self, o): return self._binary('add', o, False)

@@ -377,7 +377,6 @@ def test_norm_and_vector_norm(ord, dtype: torch.dtype) -> None:
     run(x, lambda tl: torch.linalg.vector_norm(tl, ord=ord), [torch.linalg.vector_norm(t, ord=ord) for t in x], False)
 
 
-@pytest.mark.xfail(strict=True, reason='norm options')
 def test_norm_defaults_and_options() -> None:
     "The default order is 2; `dim`, `keepdim`, `dtype` and `p='fro'` are honoured as torch honours them."
     x = make()
@@ -491,7 +490,6 @@ FUNCS = {
 @pytest.mark.parametrize('name', FUNCS)
 def test_torch_functions(name: str, dtype: torch.dtype, request) -> None:
     "torch functions on buckets, through `__torch_function__` (a foreach method where TensorList has one)."
-    known_bug(request, name == 'norm', 'norm options')
     known_bug(request, name in ('add kw', 'sort'), '__torch_function__ dispatch')
     f_tl, f_t = FUNCS[name]
     x, y = make(dtype, 0), make(dtype, 1)
