@@ -29,20 +29,35 @@ def _ts(o: Any) -> list:
     return list(o) if isinstance(o, TensorList) else o
 
 
+def _buckets(args: tuple, kwargs: dict) -> list:
+    "The TensorLists among the arguments, inside a list or tuple argument too (`torch.stack([a, b])`)."
+    flat = [o for a in [*args, *kwargs.values()] for o in (a if type(a) in (list, tuple) else [a])]
+    return [a for a in flat if isinstance(a, TensorList)]
+
+
+def _pick(a: Any, i: int) -> Any:
+    "Argument `a` as param `i` sees it."
+    if isinstance(a, TensorList): return list.__getitem__(a, i)
+    if type(a) in (list, tuple) and any(isinstance(o, TensorList) for o in a): return type(a)(_pick(o, i) for o in a)
+    return a
+
+
 def _zip_call(fn, args: tuple, kwargs: dict):
     "Call `fn` once per tensor of the TensorLists among `args`/`kwargs`; other arguments are passed to every call."
-    n = next(len(a) for a in [*args, *kwargs.values()] if isinstance(a, TensorList))
-    pick = lambda a, i: a[i] if isinstance(a, TensorList) else a
-    if any(isinstance(a, TensorList) and len(a) != n for a in [*args, *kwargs.values()]):
-        raise BucketError("TensorLists of different lengths in one op")
-    res = [fn(*[pick(a, i) for a in args], **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    tls = _buckets(args, kwargs)
+    if not tls: raise BucketError(f"{getattr(fn, '__name__', fn)} got TensorLists nested deeper than one list")
+    n = len(tls[0])
+    if any(len(a) != n for a in tls): raise BucketError("TensorLists of different lengths in one op")
+    res = [fn(*[_pick(a, i) for a in args], **{k: _pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
     return _wrap(res)
 
 
 def _wrap(res: list):
-    "Per-tensor results as a TensorList (or a tuple of them); anything else is not a value of the bucket."
+    "Per-tensor results as a TensorList (or a tuple of them, of torch's named type); anything else is no bucket value."
     if all(isinstance(r, torch.Tensor) for r in res): return TensorList(res)
-    if res and all(isinstance(r, tuple) for r in res): return tuple(_wrap(list(o)) for o in zip(*res))
+    if res and all(isinstance(r, tuple) for r in res):
+        parts, t = [_wrap(list(o)) for o in zip(*res)], type(res[0])
+        return tuple(parts) if t is tuple else t(parts)  # torch.return_types (sort's values/indices) take a sequence
     raise BucketError(f"an op gave {type(res[0]).__name__} values per param, which a bucket cannot hold as one value")
 
 
@@ -68,6 +83,9 @@ class TensorList(list):
     __hash__ = None
 
     def __repr__(self) -> str: return f"TensorList({list.__repr__(self)})"
+    def sort(self, *args, **kwargs):
+        "Tensor.sort per tensor (values and indices), not list.sort: the params of a bucket are not to be reordered."
+        return _zip_call(torch.Tensor.sort, (self, *args), kwargs)
 
     def __getattr__(self, name: str):
         "Any other tensor method (no foreach kernel for it), called once per tensor."
@@ -81,7 +99,8 @@ class TensorList(list):
         kwargs = kwargs or {}
         if func is torch.linalg.vector_norm: return _vector_norm(*args, **kwargs)
         name = getattr(func, '__name__', '')
-        if func is getattr(torch, name, None) and isinstance(args[0], TensorList) and hasattr(cls, name):
+        if args and isinstance(args[0], TensorList) and func is getattr(torch, name, None) \
+                and getattr(cls, name, None) not in (None, getattr(list, name, None)):
             return getattr(args[0], name)(*args[1:], **kwargs)  # torch.sqrt(tl), torch.add(tl, 1)...: the method
         return _zip_call(func, args, kwargs)
 

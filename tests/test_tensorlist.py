@@ -490,21 +490,31 @@ FUNCS = {
 @pytest.mark.parametrize('name', FUNCS)
 def test_torch_functions(name: str, dtype: torch.dtype, request) -> None:
     "torch functions on buckets, through `__torch_function__` (a foreach method where TensorList has one)."
-    known_bug(request, name in ('add kw', 'sort'), '__torch_function__ dispatch')
     f_tl, f_t = FUNCS[name]
     x, y = make(dtype, 0), make(dtype, 1)
     run(x, lambda tl: f_tl(tl, y), [f_t(a, b) for a, b in zip(x, y)], inplace=False)
 
 
-@pytest.mark.xfail(strict=True, reason='__torch_function__ dispatch')
 def test_torch_function_with_tuple_results() -> None:
-    "An op giving a tuple per param gives a tuple of buckets (`torch.sort`: values and indices)."
+    "An op giving a tuple per param gives a tuple of buckets, of torch's type (`torch.sort`'s values and indices)."
     x = make()
-    vals, idx = torch.sort(x)
-    check(vals, [torch.sort(t).values for t in x])
-    check(idx, [torch.sort(t).indices for t in x])
+    for got in (torch.sort(x), x.sort(), x.sort(descending=True)):
+        assert type(got) is type(torch.sort(x[0]))
+    check(torch.sort(x).values, [torch.sort(t).values for t in x])
+    check(x.sort(descending=True).indices, [t.sort(descending=True).indices for t in x])
+    s = TensorList([torch.tensor(3.), torch.tensor(1.)])
+    ts = list(s)
+    s.sort()  # inside each tensor: the params keep their order (list.sort would swap these two)
+    assert all(a is b for a, b in zip(s, ts))
     parts = make(shapes=[(4,), (4, 2)]).split(2)
-    assert len(parts) == 2 and all(type(p) is TensorList for p in parts)
+    assert type(parts) is tuple and len(parts) == 2 and all(type(p) is TensorList for p in parts)
+
+
+def test_torch_function_with_buckets_in_a_list() -> None:
+    "`torch.stack([a, b])`, buckets in a list argument: one call per param."
+    x, y = make(), make(seed=1)
+    run(x, lambda tl: torch.stack([tl, y]), [torch.stack([a, b]) for a, b in zip(x, y)], inplace=False)
+    run(x, lambda tl: torch.stack((tl, y)).amax(0), [torch.stack((a, b)).amax(0) for a, b in zip(x, y)], inplace=False)
 
 
 def test_empty_like() -> None:
