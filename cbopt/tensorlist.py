@@ -55,7 +55,7 @@ def _zip_call(fn, args: tuple, kwargs: dict):
 def _wrap(res: list):
     "Per-tensor results as a TensorList (or a tuple of them, of torch's named type); anything else is no bucket value."
     if all(isinstance(r, torch.Tensor) for r in res): return TensorList(res)
-    if res and all(isinstance(r, tuple) for r in res):
+    if res and all(isinstance(r, tuple) for r in res) and 0 < len(res[0]) == min(map(len, res)) == max(map(len, res)):
         parts, t = [_wrap(list(o)) for o in zip(*res)], type(res[0])
         return tuple(parts) if t is tuple else t(parts)  # torch.return_types (sort's values/indices) take a sequence
     raise BucketError(f"an op gave {type(res[0]).__name__} values per param, which a bucket cannot hold as one value")

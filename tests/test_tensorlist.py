@@ -569,12 +569,10 @@ def test_python_numbers_and_control_flow_raise_bucket_error(convert, request) ->
 def test_non_tensor_results_raise_bucket_error(method: str, request) -> None:
     """A method giving a Python value per param (`.item()`, `.size()`...) has no one value for a bucket.
     (`.item()` of a tensor of several elements is a RuntimeError per param already: one-element params here.)"""
-    known_bug(request, method == 'size', 'tuple results')
     for shapes in ([(1,), ()], [(), ()], [(1, 1), (1, 1)]):  # `.size()` of 0-d tensors is (): no bucket either
         with pytest.raises(BucketError): getattr(make(shapes=shapes), method)()
 
 
-@pytest.mark.xfail(strict=True, reason='tuple results')
 def test_tuples_of_different_lengths_raise_bucket_error() -> None:
     "Per-param tuples of different lengths (`split` of tensors of different sizes) are no bucket of tuples."
     with pytest.raises(BucketError): make(shapes=[(2,), (4,)]).split(2)
