@@ -227,6 +227,11 @@ class TensorList(list):
         "An int picks one param's tensor (as a list does); anything else indexes inside every tensor."
         if isinstance(i, int): return list.__getitem__(self, i)
         return _zip_call(lambda t, i: t[i], (self, i), {})
+    def __setitem__(self, i, v):
+        "An int sets one param's tensor (as a list does); anything else writes inside every tensor (`tl[mask] = 0`)."
+        if isinstance(i, int): return list.__setitem__(self, i, v)
+        if any(len(a) != len(self) for a in _buckets((i, v), {})): raise BucketError("TensorLists of different lengths in one op")
+        for j, t in enumerate(list(self)): t[_pick(i, j)] = _pick(v, j)
 
     def _each_op(op):
         "A tensor operator with no foreach kernel, once per tensor."

@@ -444,9 +444,8 @@ def test_getitem() -> None:
     run(y, lambda tl: tl[mask], [t[m] for t, m in zip(y, mask)], inplace=False)
 
 
-@pytest.mark.xfail(strict=True, reason='no __setitem__ inside the tensors')
 def test_setitem() -> None:
-    "`tl[mask] = v` writes inside every tensor (per-param masks and values), as `t[mask] = v` does; an int index still sets a list item."
+    "`tl[mask] = v` writes inside every tensor (masks and values per param), as `t[mask] = v`; an int sets a param."
     x = make(shapes=[(3,), (0,), (2, 3)])
     ts, expected = list(x), [t.clone() for t in x]
     mask, v = x > 0, per_param(n=3)
@@ -457,6 +456,7 @@ def test_setitem() -> None:
     for t in expected: t[..., :1] = 0.5
     x[..., :1] = 0.5
     check(ts, expected)
+    with pytest.raises(BucketError): x[mask] = per_param(n=2)
     z = torch.zeros(3)
     x[0] = z
     assert x[0] is z
