@@ -3,11 +3,18 @@
 Every op spreads over the list: `torch._foreach_*` kernels where torch has one (arithmetic, `addcmul_`, `lerp_`,
 `sqrt`, `norm`...), one call per tensor otherwise (`torch.where`, comparisons, `F.softplus`, `clone`...). Reductions
 are per tensor (`x.pow(2).mean()` is one 0-d tensor per param), and a list of 0-d tensors broadcasts against the
-full tensors, as a 0-d tensor would. Python control flow on a tensor value cannot be taken for all the params at
-once, so `bool(tl)` raises `BucketError`, which the backends catch to run that bucket param by param.
+full tensors, as a 0-d tensor would.
+
+What has no one value for a whole bucket raises `BucketError` (a TypeError), which the engine catches, and only
+it, to run that bucket param by param: Python control flow on a tensor value (`bool(tl)`), a Python number of it
+(`float(tl)`, `int(tl)`, `math.sqrt(tl)`, `operator.index(tl)`), a method giving Python values per param
+(`.item()`, `.tolist()`, `.size()`), and a tensor attribute that is not a method (`tl.shape`, `tl.ndim`): the last
+raise `BucketAttributeError`, a BucketError that is also an AttributeError, so `hasattr(tl, 'shape')` is False.
+Anything else a callback gets wrong (a shape mismatch, a name tensors do not have) raises as it would per param.
 """
 from __future__ import annotations
 
+import inspect
 from numbers import Number
 from typing import Any
 
@@ -20,8 +27,13 @@ class BucketError(TypeError):
     "A callback did something that has no meaning for a whole bucket at once (e.g. `if` on a tensor value)."
 
 
+class BucketAttributeError(BucketError, AttributeError):
+    "A tensor attribute that a whole bucket has no one value for (`tl.shape`); an AttributeError for `hasattr` too."
+
+
 def _fe(name: str): return getattr(torch, f'_foreach_{name}')
 _HALF = (torch.bfloat16, torch.float16)
+_MISSING = object()
 
 
 def _ts(o: Any) -> list:
@@ -75,11 +87,18 @@ class TensorList(list):
     @property
     def data(self) -> TensorList: return self
     @property
-    def dtype(self) -> torch.dtype: return self[0].dtype
+    def dtype(self) -> torch.dtype: return self._common('dtype')
     @property
-    def device(self) -> torch.device: return self[0].device
+    def device(self) -> torch.device: return self._common('device')
+    def _common(self, name: str):
+        "The params' one dtype or device (a bucket has one; an empty or mixed list has none)."
+        vals = {getattr(t, name) for t in list.__iter__(self)}
+        if len(vals) != 1: raise BucketAttributeError(f"a TensorList of {len(vals)} {name}s has no one {name}")
+        return vals.pop()
 
     def __bool__(self): raise BucketError("Python control flow on a tensor value cannot run on a whole bucket")
+    def _no_number(self, *args): raise BucketError("a bucket has no Python number value (float(), int(), math.*)")
+    __float__ = __int__ = __index__ = __complex__ = _no_number
     __hash__ = None
 
     def __repr__(self) -> str: return f"TensorList({list.__repr__(self)})"
@@ -88,9 +107,15 @@ class TensorList(list):
         return _zip_call(torch.Tensor.sort, (self, *args), kwargs)
 
     def __getattr__(self, name: str):
-        "Any other tensor method (no foreach kernel for it), called once per tensor."
-        if name.startswith('__') or len(self) == 0 or not callable(getattr(self[0], name, None)):
-            raise AttributeError(f"'TensorList' has no attribute {name!r} usable on a whole bucket")
+        """Any other tensor method (no foreach kernel for it), called once per tensor. A tensor attribute that is not
+        a method (`shape`) has a value per param: BucketAttributeError. A name tensors do not have is an AttributeError
+        as on a tensor (so are Python's `__dunder__` lookups: copy, pickle, numpy)."""
+        if name.startswith('__'): raise AttributeError(f"'TensorList' object has no attribute {name!r}")
+        first = list.__getitem__(self, 0) if len(self) else None
+        attr = inspect.getattr_static(torch.Tensor if first is None else first, name, _MISSING)  # no property runs
+        if attr is _MISSING: raise AttributeError(f"'TensorList' object has no attribute {name!r}, nor has a tensor")
+        if first is None or not callable(attr):
+            raise BucketAttributeError(f"tensor attribute {name!r} has a value per param, none for a whole bucket")
         return lambda *args, **kwargs: _zip_call(lambda t, *a, **k: getattr(t, name)(*a, **k), (self, *args), kwargs)
 
     @classmethod
