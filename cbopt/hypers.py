@@ -19,7 +19,7 @@ from fastcore.foundation import L
 __all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES']
 
-NOT_HYPERS = ('params', 'param_names')  # group entries that are not hypers
+NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
 
 
