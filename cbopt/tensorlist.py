@@ -34,11 +34,16 @@ class BucketAttributeError(BucketError, AttributeError):
 def _fe(name: str): return getattr(torch, f'_foreach_{name}')
 _HALF = (torch.bfloat16, torch.float16)
 _MISSING = object()
+_NO_BOUND = "torch.clamp: At least one of 'min' or 'max' must not be None"  # torch's words
 
 
 def _ts(o: Any) -> list:
     "A TensorList operand as the plain list foreach kernels take; scalars and single tensors pass through."
     return list(o) if isinstance(o, TensorList) else o
+
+
+def _same_length(n: int, tls) -> None:
+    if any(len(o) != n for o in tls): raise BucketError("TensorLists of different lengths in one op")
 
 
 def _buckets(args: tuple, kwargs: dict) -> list:
@@ -59,7 +64,7 @@ def _zip_call(fn, args: tuple, kwargs: dict):
     tls = _buckets(args, kwargs)
     if not tls: raise BucketError(f"{getattr(fn, '__name__', fn)} got TensorLists nested deeper than one list")
     n = len(tls[0])
-    if any(len(a) != n for a in tls): raise BucketError("TensorLists of different lengths in one op")
+    _same_length(n, tls)
     res = [fn(*[_pick(a, i) for a in args], **{k: _pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
     return _wrap(res)
 
@@ -75,7 +80,8 @@ def _wrap(res: list):
 
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     "torch.linalg.vector_norm per tensor; one foreach kernel for the norm of all of each tensor's elements."
-    if dim is None and not keepdim and isinstance(x, TensorList): return TensorList(torch._foreach_norm(list(x), ord, dtype=dtype))
+    if dim is None and not keepdim and isinstance(x, TensorList):
+        return TensorList(torch._foreach_norm(list(x), ord, dtype=dtype))
     return _zip_call(torch.linalg.vector_norm, (x, ord, dim, keepdim), {'dtype': dtype})
 
 
@@ -132,11 +138,11 @@ class TensorList(list):
     # -- foreach-backed ops ------------------------------------------------------------------------------------
     def _binary(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
         "`self <op> alpha*other`, in place or not, with `other` a scalar, a tensor or a TensorList."
-        if isinstance(other, TensorList) and len(other) != len(self): raise BucketError("TensorLists of different lengths")
-        if not isinstance(other, (Number, torch.Tensor, TensorList)): return NotImplemented
+        if isinstance(other, TensorList): _same_length(len(self), [other])
+        elif isinstance(other, torch.Tensor):  # one tensor for all: foreach takes a lone one if 0-d, in add/mul/div
+            if other.dim() or name not in ('add', 'mul', 'div'): other = TensorList([other] * len(self))
+        elif not isinstance(other, Number): return NotImplemented
         fn = _fe(name + '_' * inplace)
-        if isinstance(other, torch.Tensor) and not isinstance(other, TensorList) and (other.dim() or name not in ('add', 'mul', 'div')):
-            other = TensorList([other] * len(self))  # one tensor for every param: foreach takes a lone one only if 0-d, for add/mul/div
         scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)
         kw = {'alpha': alpha} if scaled else {}
         # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and the in-place
@@ -147,9 +153,10 @@ class TensorList(list):
         return self if inplace else TensorList(res)
 
     def _op(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
-        "`_binary` as a method: an operand it cannot take is a TypeError, as for a tensor (operators return NotImplemented)."
+        "`_binary` as a method: an operand it cannot take is a TypeError, as for a tensor (operators: NotImplemented)."
         res = self._binary(name, other, inplace, alpha)
-        if res is NotImplemented: raise TypeError(f"TensorList.{name}{'_' * inplace}() cannot take a {type(other).__name__}")
+        if res is NotImplemented:
+            raise TypeError(f"TensorList.{name}{'_' * inplace}() cannot take a {type(other).__name__}")
         return res
 
     def add(self, other, alpha=1): return self._op('add', other, False, alpha)
@@ -169,7 +176,7 @@ class TensorList(list):
     def _each(self, o: Any) -> list:
         "A tensor operand, one per param: a TensorList of as many tensors, or one tensor that every param sees."
         if isinstance(o, TensorList):
-            if len(o) != len(self): raise BucketError("TensorLists of different lengths in one op")
+            _same_length(len(self), [o])
             return list(o)
         if isinstance(o, torch.Tensor): return [o] * len(self)
         raise TypeError(f"expected a tensor or a TensorList, got {type(o).__name__}")
@@ -195,13 +202,13 @@ class TensorList(list):
 
     def clamp(self, min=None, max=None):
         "torch.clamp per tensor: min first, then max (so max wins where min > max, as in torch)."
-        if min is None and max is None: raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+        if min is None and max is None: raise RuntimeError(_NO_BOUND)
         res = self
         if min is not None: res = res._op('clamp_min', min, False)
         if max is not None: res = res._op('clamp_max', max, res is not self)
         return res
     def clamp_(self, min=None, max=None):
-        if min is None and max is None: raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+        if min is None and max is None: raise RuntimeError(_NO_BOUND)
         if min is not None: self._op('clamp_min', min, True)
         if max is not None: self._op('clamp_max', max, True)
         return self
@@ -255,7 +262,7 @@ class TensorList(list):
     def __setitem__(self, i, v):
         "An int sets one param's tensor (as a list does); anything else writes inside every tensor (`tl[mask] = 0`)."
         if isinstance(i, int): return list.__setitem__(self, i, v)
-        if any(len(a) != len(self) for a in _buckets((i, v), {})): raise BucketError("TensorLists of different lengths in one op")
+        _same_length(len(self), _buckets((i, v), {}))
         for j, t in enumerate(list(self)): t[_pick(i, j)] = _pick(v, j)
 
     def _each_op(op):
@@ -274,7 +281,8 @@ class TensorList(list):
     __and__, __or__, __xor__ = _each_op(_T.__and__), _each_op(_T.__or__), _each_op(_T.__xor__)
     __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
     __iand__, __ior__, __ixor__ = _each_op_(_T.__iand__), _each_op_(_T.__ior__), _each_op_(_T.__ixor__)
-    __floordiv__, __rfloordiv__, __ifloordiv__ = _each_op(_T.__floordiv__), _each_op(_T.__rfloordiv__), _each_op_(_T.__ifloordiv__)
+    __floordiv__, __rfloordiv__ = _each_op(_T.__floordiv__), _each_op(_T.__rfloordiv__)
+    __ifloordiv__ = _each_op_(_T.__ifloordiv__)
     __mod__, __rmod__, __imod__ = _each_op(_T.__mod__), _each_op(_T.__rmod__), _each_op_(_T.__imod__)
     __lshift__, __rlshift__, __ilshift__ = _each_op(_T.__lshift__), _each_op(_T.__rlshift__), _each_op_(_T.__ilshift__)
     __rshift__, __rrshift__, __irshift__ = _each_op(_T.__rshift__), _each_op(_T.__rrshift__), _each_op_(_T.__irshift__)

@@ -115,7 +115,7 @@ def test_mul_by_a_number_in_half_precision(dtype: torch.dtype) -> None:
 
 
 def test_binary_with_an_unsupported_operand_raises() -> None:
-    "A method given an operand it cannot take raises TypeError, as a tensor's does, instead of returning NotImplemented."
+    "A method given an operand it cannot take raises TypeError as a tensor's does (it returned NotImplemented)."
     x = make()
     for op in ('add', 'add_', 'sub', 'sub_', 'mul', 'mul_', 'div', 'div_', 'pow', 'pow_', 'maximum', 'minimum',
                'clamp_min', 'clamp_max', 'clamp', 'clamp_'):
@@ -125,7 +125,7 @@ def test_binary_with_an_unsupported_operand_raises() -> None:
         with pytest.raises(TypeError): f(x, 'a')
 
 
-LEFT = {'int': 2, 'scalar': 0.37, '0d': torch.tensor(0.37), 'full': make(torch.float64, 5, [FULL])[0]}
+LEFT = {'one': 1, 'int': 2, 'scalar': 0.37, '0d': torch.tensor(0.37), 'full': make(torch.float64, 5, [FULL])[0]}
 REFLECTED = {'+': operator.add, '-': operator.sub, '*': operator.mul, '/': operator.truediv, '**': operator.pow,
              '//': operator.floordiv, '%': operator.mod}
 
@@ -175,7 +175,8 @@ def test_inplace_operators(sym: str, dtype: torch.dtype) -> None:
 
 def test_integer_operators() -> None:
     "Shifts, `//` and `%` on integer buckets, with a number or a bucket on either side, in place too."
-    x, y = TensorList([torch.arange(1, 7), torch.tensor(5)]), TensorList([torch.tensor([1, 2, 3, 1, 2, 3]), torch.tensor(2)])
+    x = TensorList([torch.arange(1, 7), torch.tensor(5)])
+    y = TensorList([torch.tensor([1, 2, 3, 1, 2, 3]), torch.tensor(2)])
     for fn in (operator.lshift, operator.rshift, operator.floordiv, operator.mod):
         run(x, lambda tl: fn(tl, y), [fn(a, b) for a, b in zip(x, y)], inplace=False)
         run(x, lambda tl: fn(tl, 2), [fn(a, 2) for a in x], inplace=False)
@@ -267,7 +268,7 @@ def test_clamp(bounds: str, op: str, kind: str, dtype: torch.dtype) -> None:
     lo, lo_at = operand(kind, dtype, len(x), seed=1)
     hi = lo + 0.25 if bounds != 'crossed' else lo - 0.5
     hi_at = (lambda i: hi[i]) if isinstance(hi, TensorList) else (lambda i: hi)
-    kw = lambda l, h: {'min': {'min': l}, 'max': {'max': h}, 'both': {'min': l, 'max': h}, 'crossed': {'min': l, 'max': h}}[bounds]
+    kw = lambda l, h: {'min': l} if bounds == 'min' else {'max': h} if bounds == 'max' else {'min': l, 'max': h}
     run(x, lambda tl: getattr(tl, op)(**kw(lo, hi)),
         [getattr(t.clone(), op)(**kw(lo_at(i), hi_at(i))) for i, t in enumerate(x)], inplace=op.endswith('_'))
 
@@ -283,6 +284,7 @@ def test_clamp_without_bounds_raises() -> None:
 @pytest.mark.parametrize('kind', ['scalar', '0d', 'list0d'])
 @pytest.mark.parametrize('op', ['clamp_min', 'clamp_max'])
 def test_clamp_min_max(op: str, kind: str, dtype: torch.dtype) -> None:
+    "clamp_min/clamp_max with a number, a 0-d tensor or one 0-d bound per param."
     x = make(dtype)
     v, at = operand(kind, dtype, len(x))
     run(x, lambda tl: getattr(tl, op)(v), [getattr(t, op)(at(i)) for i, t in enumerate(x)], inplace=False)
@@ -390,7 +392,8 @@ def test_norm_defaults_and_options() -> None:
         [torch.linalg.vector_norm(t, 2, keepdim=True) for t in x], False)
     m = make(shapes=[(2, 3), (4, 3)])
     for dim in (0, 1, -1, (0, 1)):
-        run(m, lambda tl: torch.linalg.vector_norm(tl, dim=dim), [torch.linalg.vector_norm(t, dim=dim) for t in m], False)
+        run(m, lambda tl: torch.linalg.vector_norm(tl, dim=dim), [torch.linalg.vector_norm(t, dim=dim) for t in m],
+            False)
         run(m, lambda tl: torch.linalg.vector_norm(tl, 1, dim), [torch.linalg.vector_norm(t, 1, dim) for t in m], False)
         run(m, lambda tl: tl.norm(2, dim), [t.norm(2, dim) for t in m], False)
 
@@ -464,7 +467,8 @@ def test_setitem() -> None:
 # -- torch functions -------------------------------------------------------------------------------------------------
 FUNCS = {
     'zeros_like': (lambda x, y: torch.zeros_like(x), lambda a, b: torch.zeros_like(a)),
-    'ones_like': (lambda x, y: torch.ones_like(x, dtype=torch.float64), lambda a, b: torch.ones_like(a, dtype=torch.float64)),
+    'ones_like': (lambda x, y: torch.ones_like(x, dtype=torch.float64),
+                  lambda a, b: torch.ones_like(a, dtype=torch.float64)),
     'full_like': (lambda x, y: torch.full_like(x, 2.5), lambda a, b: torch.full_like(a, 2.5)),
     'where': (lambda x, y: torch.where(x > 0, x, 0.), lambda a, b: torch.where(a > 0, a, 0.)),
     'where2': (lambda x, y: torch.where(x > y, x, y), lambda a, b: torch.where(a > b, a, b)),
@@ -481,7 +485,8 @@ FUNCS = {
     'softplus': (lambda x, y: F.softplus(x, 2.), lambda a, b: F.softplus(a, 2.)),
     'relu': (lambda x, y: F.relu(x), lambda a, b: F.relu(a)),
     'sort': (lambda x, y: torch.sort(x).values, lambda a, b: torch.sort(a).values),
-    'tensor op bucket': (lambda x, y: torch.tensor(2.) * x - torch.tensor(1.), lambda a, b: torch.tensor(2.) * a - torch.tensor(1.)),
+    'tensor op bucket': (lambda x, y: torch.tensor(2.) * x - torch.tensor(1.),
+                         lambda a, b: torch.tensor(2.) * a - torch.tensor(1.)),
 }
 
 
@@ -528,7 +533,8 @@ def test_bucket_error_is_a_type_error() -> None:
     assert issubclass(BucketError, TypeError)
 
 
-@pytest.mark.parametrize('name', ['shape', 'ndim', 'requires_grad', 'is_leaf', 'T', 'mT', 'layout', 'is_cuda', 'itemsize'])
+@pytest.mark.parametrize('name', ['shape', 'ndim', 'requires_grad', 'is_leaf', 'T', 'mT', 'layout', 'is_cuda',
+                                  'itemsize'])
 def test_tensor_attributes_raise_bucket_error(name: str) -> None:
     """A tensor attribute that is not a method (`tl.shape`) differs per param: a BucketError that is also an
     AttributeError, so `hasattr`/`getattr(x, name, default)` still read it as missing."""
@@ -543,8 +549,8 @@ def test_real_errors_are_not_bucket_errors() -> None:
     "What would fail per param fails on the bucket with the same error, never a BucketError the engine would catch."
     x = make()
     for f, err in ((lambda: x + make(shapes=[(3,), (), (0,), (8, 16)]), RuntimeError),  # a shape mismatch
-                   (lambda: x.add('a'), TypeError), (lambda: x.view(5), RuntimeError), (lambda: x.clamp(), RuntimeError),
-                   (lambda: make(shapes=[(2,)]).item(), RuntimeError)):
+                   (lambda: x.add('a'), TypeError), (lambda: x.view(5), RuntimeError),
+                   (lambda: x.clamp(), RuntimeError), (lambda: make(shapes=[(2,)]).item(), RuntimeError)):
         with pytest.raises(err) as e: f()
         assert not isinstance(e.value, BucketError)
 
