@@ -2,7 +2,8 @@
 
 On CPU a `torch._foreach_*` kernel runs the same ATen op per tensor, so the comparisons are exact (`rtol=atol=0`,
 plus the sign of zeros); the few that cannot be exact say why where they are made. The buckets mix shapes and hold
-a 0-d tensor and an empty one (`SHAPES`), and every op runs in float32, float64 and bfloat16.
+a 0-d tensor and an empty one (`SHAPES`); the numeric ops run in float32, float64 and bfloat16. The last section
+checks the BucketError contract: what has no one value for a whole bucket raises it, nothing else does.
 """
 from __future__ import annotations
 
