@@ -2,21 +2,17 @@
 optimizer continues bit for bit. And a torch.optim or fastai optimizer's state_dict continues in cbopt as it would
 have in torch or fastai."""
 import io
-from functools import partial
 
 import fastai.optimizer as fo
 import pytest
 import torch
 
 import cbopt
-from conftest import PREBUILT, assert_rel_close, make_model, train, two_groups
+from cases import CASES, WITH_FASTAI, WITH_TORCH, Case, case
+from conftest import assert_rel_close, assert_same_params, make_model, train, two_groups
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 LR = slice(3e-3, 3e-2)
-# the prebuilt optimizers, plus the torch.optim.SGD variants that fastai does not have
-BUILD = {**{k: partial(build, cbopt, lr=LR) for k, build in PREBUILT.items()},
-         'sgd-nesterov':  lambda ps: cbopt.SGD(ps, LR, mom=0.9, nesterov=True, wd=0.1),
-         'sgd-dampening': lambda ps: cbopt.SGD(ps, LR, mom=0.9, dampening=0.5, wd=0.1, decouple_wd=False)}
 
 
 def save_load(sd: dict) -> dict:
@@ -27,29 +23,32 @@ def save_load(sd: dict) -> dict:
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize('name,named', [(k, True) for k in BUILD] + [(k, False) for k in ('sgd-mom', 'adam', 'ranger')],
-                         ids=[*BUILD, 'sgd-mom-positional', 'adam-positional', 'ranger-positional'])
-def test_resume_is_exact(name, named):
+POSITIONAL = ['sgd-mom', 'adam', 'ranger']  # also given as bare tensors, named by position
+
+
+@pytest.mark.parametrize('c,named', [(c, True) for c in CASES] + [(case(n), False) for n in POSITIONAL],
+                         ids=[c.id for c in CASES] + [f'{n}-positional' for n in POSITIONAL])
+def test_resume_is_exact(c: Case, named):
     "50 steps, checkpoint, a new optimizer loads it, 50 more steps: bit-identical params to 100 steps in one go."
     ref, model = make_model(), make_model()
-    train(BUILD[name](two_groups(ref, named)), ref, 100)
-    opt = BUILD[name](two_groups(model, named))
+    train(c.build(two_groups(ref, named), LR), ref, 100)
+    opt = c.build(two_groups(model, named), LR)
     train(opt, model, 50)
     sd = save_load(opt.state_dict())
     names = [n if named else str(i) for i, (n, _) in enumerate(model.named_parameters())]
     assert list(sd['state']) == [n for n, p in zip(names, model.parameters()) if opt.state[p]]
-    fresh = BUILD[name](two_groups(model, named))
+    fresh = c.build(two_groups(model, named), LR)
     fresh.load_state_dict(sd)
     train(fresh, model, 50, start=50)
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()): assert torch.equal(p, q), f"param {n} differs"
+    assert_same_params(model, ref)
 
 
-def continue_both(theirs_opt, theirs, ours_opt, ours, start: int, steps: int = 20) -> None:
+def continue_both(theirs_opt, theirs, ours_opt, ours, start: int, tol: dict, steps: int = 20) -> None:
     "Continue the reference optimizer and ours from the same point, checking params after every step."
     for i in range(start, start + steps):
         train(theirs_opt, theirs, 1, start=i)
         train(ours_opt, ours, 1, start=i)
-        assert_rel_close(ours, theirs, msg=f"step {i}:")
+        assert_rel_close(ours, theirs, **tol, msg=f"step {i}:")
 
 
 # how torch's optimizer is given its params (cbopt's always gets the same params, named by FQN)
@@ -60,43 +59,39 @@ TORCH_PARAMS = {
 }
 
 
-TORCH = {  # torch.optim optimizer, and cbopt's with matching hypers
-    'adamw':   (lambda ps: torch.optim.AdamW(ps, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
-                lambda ps: cbopt.Adam(ps, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1)),
-    'sgd-mom': (lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9, weight_decay=0.1),
-                lambda ps: cbopt.SGD(ps, lr=3e-2, mom=0.9, wd=0.1, decouple_wd=False)),
-}
-
-
 @pytest.mark.parametrize('form', TORCH_PARAMS)
-@pytest.mark.parametrize('name', TORCH)
-def test_torch_state_continues_in_cbopt(name, form):
-    "20 steps of torch.optim, its state_dict into cbopt (named by FQN), 20 more steps: the same as torch's next 20."
-    make_torch, make_ours = TORCH[name]
+@pytest.mark.parametrize('c', WITH_TORCH, ids=str)
+def test_torch_state_continues_in_cbopt(c: Case, form):
+    """The README: `load_state_dict` reads torch.optim state_dicts of the same algorithm, for every algorithm cbopt
+    has in torch.optim. 20 steps of torch.optim, its state_dict into cbopt (named by FQN), 20 more steps: the same
+    as torch's next 20."""
     theirs, ours = make_model(), make_model()
-    topt = make_torch(TORCH_PARAMS[form](theirs))
+    topt = c.torch(TORCH_PARAMS[form](theirs), 3e-2)
     train(topt, theirs, 20)
     sd = topt.state_dict()
     assert ('param_names' in sd['param_groups'][0]) == (form != 'ids-only')
     ours.load_state_dict(theirs.state_dict())
-    opt = make_ours(TORCH_PARAMS[form if form == 'named_parameters()' else 'param_names'](ours))
+    opt = c.build(TORCH_PARAMS[form if form == 'named_parameters()' else 'param_names'](ours), 1e-3)
     opt.load_state_dict(save_load(sd))
     assert [g['lr'] for g in opt.param_groups] == [g['lr'] for g in topt.param_groups]
-    continue_both(topt, theirs, opt, ours, start=20)
+    continue_both(topt, theirs, opt, ours, start=20, tol=c.torch_parity.of(torch.float32))
 
 
-def test_fastai_adam_state_continues_in_cbopt():
-    "fastai's Adam state_dict (state listed by position) continues in cbopt.Adam as in fastai."
+@pytest.mark.parametrize('c', WITH_FASTAI, ids=str)
+def test_fastai_state_continues_in_cbopt(c: Case):
+    """The README: `load_state_dict` reads fastai's state_dicts. 20 steps of fastai's optimizer, its state_dict
+    (state listed by position) into cbopt, 20 more steps: as in fastai."""
     theirs, ours = make_model(), make_model()
-    ref = PREBUILT['adam'](fo, two_groups(theirs), LR)
+    ref = c.fastai(two_groups(theirs), LR)
     train(ref, theirs, 20)
     ours.load_state_dict(theirs.state_dict())
-    opt = PREBUILT['adam'](cbopt, two_groups(ours, named=True), LR)
+    opt = c.build(two_groups(ours, named=True), 1e-3)
     opt.load_state_dict(ref.state_dict())  # in memory: a load that kept fastai's tensors would corrupt both runs
-    continue_both(ref, theirs, opt, ours, start=20)
+    assert [h['lr'] for h in opt.hypers] == pytest.approx([h['lr'] for h in ref.hypers])
+    continue_both(ref, theirs, opt, ours, start=20, tol=c.fastai_parity.of(torch.float32))
 
 
-LOOKAHEAD = {'ranger': lambda m, ps: PREBUILT['ranger'](m, ps, LR),
+LOOKAHEAD = {'ranger': lambda m, ps: m.ranger(ps, LR, sqr_mom=0.95),  # cases.py's 'ranger'
              'lookahead-sgd': lambda m, ps: m.Lookahead(m.SGD(ps, LR, wd=0.1), k=4)}  # an inner opt with no state
 
 
@@ -111,7 +106,7 @@ def test_fastai_lookahead_state_continues_in_cbopt(name, steps):
     opt = LOOKAHEAD[name](cbopt, two_groups(ours, named=True))
     opt.load_state_dict(ref.state_dict())
     assert [opt.state[p].get('la_step') for p in opt.params] == [steps] * len(opt.params)
-    continue_both(ref, theirs, opt, ours, start=steps)
+    continue_both(ref, theirs, opt, ours, start=steps, tol=dict(rtol=1e-6))
 
 
 @pytest.mark.parametrize('src,dst', [('ranger', 'radam'), ('radam', 'ranger')])

@@ -1,0 +1,187 @@
+"""The registry of algorithm cases: one `Case` per algorithm config, which every conformance test iterates.
+
+A case is a cbopt builder, the torch.optim and fastai references built with the same hypers (where the algorithm
+exists there), and what the tests may expect of it. Adding a case here puts it through every backend test
+(test_backends), both parity tests (test_parity_torch, test_parity_fastai), the resume tests (test_resume) and the
+torch state_dict test (test_state_dict). Hypers are chosen to make differences visible: nonzero wd, momentums away
+from their defaults, `trust_coeff=1` so that LARC's clip bites.
+
+Tolerances are relative to each tensor's own scale (`conftest.assert_rel_close`). An absolute floor is given only
+where a case needs one, with its reason next to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import optim
+
+import cbopt
+
+
+@dataclasses.dataclass(frozen=True)
+class Tol:
+    """A parity tolerance: `rtol` of each tensor's own largest magnitude, per dtype, and an absolute `floor` (fp32
+    only) for a case whose tensors decay to ~0 under wd while the two sides round each step differently."""
+    fp32: float = 1e-6
+    fp64: float = 1e-12
+    floor: float = 0.
+
+    def of(self, dtype: torch.dtype) -> dict:
+        "`rtol` and `atol` for `assert_rel_close` in `dtype`."
+        return dict(rtol=self.fp64, atol=0.) if dtype == torch.float64 else dict(rtol=self.fp32, atol=self.floor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One algorithm config.
+
+    - `build(params, lr, backend)`: the cbopt optimizer (`params`: anything cbopt takes; `lr`: a number or a slice).
+    - `fastai(params, lr)`, `torch(params, lr, **torch_kwargs)`: the same algorithm and hypers in fastai.optimizer /
+      torch.optim (`fused=True`, `foreach=False`... passed on), or None.
+    - `fastai_parity`, `torch_parity`: how close cbopt follows each reference (`Tol`); None where there is none.
+    - `bit_exact_foreach`: the foreach backend gives the loop's result bit for bit (the README's claim).
+    - `has_torch_kernel`: `auto` and `fused` run it as torch's fused kernel (on fp32/fp64 CPU params).
+    - `compiles`: which torch.compile backends the quick suite checks its compiled (fused) chain with; every case is
+      checked with both under `CBOPT_SLOW=1`. Compiling costs seconds per chain on CPU, hence a selection.
+    - `inductor_graphs`: graphs inductor compiles for the 12-step check of `test_fused_inductor`, where known.
+    - `tensor_scope`: a callback of its chain reduces over a whole param (a norm): `cb.scope == 'tensor'`.
+    """
+    id: str
+    build: Callable[..., cbopt.Optimizer]
+    fastai: Callable[..., Any] | None = None
+    torch: Callable[..., optim.Optimizer] | None = None
+    fastai_parity: Tol | None = None
+    torch_parity: Tol | None = None
+    bit_exact_foreach: bool = True
+    has_torch_kernel: bool = False
+    compiles: tuple[str, ...] = ()
+    inductor_graphs: int | None = None
+    tensor_scope: bool = False
+
+    def __post_init__(self):
+        assert (self.fastai is None) == (self.fastai_parity is None), f"{self.id}: a fastai reference needs a Tol"
+        assert (self.torch is None) == (self.torch_parity is None), f"{self.id}: a torch reference needs a Tol"
+
+    def __str__(self): return self.id
+
+
+def _fo():
+    import fastai.optimizer as fo  # only the tests that use a fastai reference pay for importing fastai
+    return fo
+
+
+def both(make: Callable, tol: Tol = Tol()) -> dict:
+    """`build`, `fastai` and `fastai_parity=tol` from one `make(module, params, lr)`, called with `cbopt` or
+    `fastai.optimizer`: the two libraries share names, hyper names and signatures, so one expression gives both the
+    same hypers."""
+    def build(ps, lr, backend='auto'):
+        opt = make(cbopt, ps, lr)
+        opt.backend = backend
+        return opt
+    return dict(build=build, fastai=lambda ps, lr: make(_fo(), ps, lr), fastai_parity=tol)
+
+
+def tenth(lr):
+    "`lr / 10`, for a number or each end of a slice."
+    return slice(*(v and v / 10 for v in (lr.start, lr.stop))) if isinstance(lr, slice) else lr / 10
+
+
+# -- user-written chains (no library has them: the loop is their reference) ------------------------------------------
+def lion(p, lr, mom, sqr_mom, wd, grad_avg=None, **kwargs):
+    "A user-written Lion step (Chen et al. 2023), as one callback that declares nothing (fastai's contract only)."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.grad.data)
+    p.data.mul_(1 - lr * wd)
+    p.data.add_(torch.sign(grad_avg.lerp(p.grad.data, 1 - mom)), alpha=-lr)
+    grad_avg.lerp_(p.grad.data, 1 - sqr_mom)
+    return {'grad_avg': grad_avg}
+
+
+def clip_by_norm(p, max_norm, **kwargs):
+    "A user-written per-param grad clip: no Python `if` on a tensor, so it runs bucket-wise."
+    n = torch.linalg.vector_norm(p.grad.data)
+    p.grad.data.mul_(torch.where(n > max_norm, max_norm / (n + 1e-12), 1.))
+
+
+# fp32 over 100 steps at lr 3e-2, where the two sides order their float ops differently (torch's AdamW/RAdam against
+# fastai's ops, or torch's fused AdamW kernel against either), the head bias decays under wd to ~7e-2 and differs by
+# up to 9e-8 (1.2e-6 of its own size) in pure rounding; the same runs in fp64 agree to 1e-15. The floor is what one
+# fp32 rounding per step can add up to: 100 steps x lr 3e-2 x 2**-24 = 1.8e-7.
+ROUNDING_FLOOR = 2e-7
+
+CASES: list[Case] = [
+    # SGD: torch's `weight_decay` is L2 (cbopt's `decouple_wd=False`)
+    Case('sgd', **both(lambda m, ps, lr: m.SGD(ps, lr, wd=0.1))),
+    Case('sgd-l2', **both(lambda m, ps, lr: m.SGD(ps, lr, wd=0.1, decouple_wd=False)),
+         torch=lambda ps, lr, **kw: optim.SGD(ps, lr=lr, weight_decay=0.1, **kw), torch_parity=Tol()),
+    Case('sgd-mom', **both(lambda m, ps, lr: m.SGD(ps, lr, mom=0.9, wd=0.1)), compiles=('aot_eager',)),
+    Case('sgd-mom-l2', **both(lambda m, ps, lr: m.SGD(ps, lr, mom=0.9, wd=0.1, decouple_wd=False)),
+         torch=lambda ps, lr, **kw: optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.1, **kw), torch_parity=Tol()),
+    # torch's nesterov and dampening: fastai's SGD has neither
+    Case('sgd-nesterov', build=lambda ps, lr, backend='auto': cbopt.SGD(ps, lr, mom=0.9, nesterov=True, wd=0.1,
+                                                                        decouple_wd=False, backend=backend),
+         torch=lambda ps, lr, **kw: optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.1, **kw),
+         torch_parity=Tol()),
+    Case('sgd-dampening', build=lambda ps, lr, backend='auto': cbopt.SGD(ps, lr, mom=0.9, dampening=0.5, wd=0.1,
+                                                                         decouple_wd=False, backend=backend),
+         torch=lambda ps, lr, **kw: optim.SGD(ps, lr=lr, momentum=0.9, dampening=0.5, weight_decay=0.1, **kw),
+         torch_parity=Tol()),
+    # RMSProp keeps eps at its default 1e-8: fastai's RMSProp drops its `eps` (its step's default 1e-8 is used).
+    # torch's RMSprop momentum is another algorithm (it averages grad/sqrt(v), fastai the grads): no torch reference.
+    Case('rmsprop', **both(lambda m, ps, lr: m.RMSProp(ps, lr, sqr_mom=0.9, wd=0.1)), compiles=('aot_eager',)),
+    Case('rmsprop-l2', **both(lambda m, ps, lr: m.RMSProp(ps, lr, sqr_mom=0.9, wd=0.1, decouple_wd=False)),
+         torch=lambda ps, lr, **kw: optim.RMSprop(ps, lr=lr, alpha=0.9, eps=1e-8, weight_decay=0.1, **kw),
+         torch_parity=Tol()),
+    Case('rmsprop-mom', **both(lambda m, ps, lr: m.RMSProp(ps, lr, mom=0.8, sqr_mom=0.9, wd=0.1, decouple_wd=False))),
+    # the default backend runs cbopt's AdamW as torch's fused kernel, whose float ops are neither fastai's nor torch's
+    # for-loop's: hence the floor against both
+    Case('adam', **both(lambda m, ps, lr: m.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1),
+                        Tol(floor=ROUNDING_FLOOR)),
+         torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **kw),
+         torch_parity=Tol(floor=ROUNDING_FLOOR), has_torch_kernel=True),
+    Case('adam-l2', **both(lambda m, ps, lr: m.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, decouple_wd=False)),
+         torch=lambda ps, lr, **kw: optim.Adam(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **kw),
+         torch_parity=Tol(), compiles=('aot_eager',)),
+    # torch's RAdam adds eps to sqrt(v) *before* dividing by sqrt(1 - beta2**t), fastai/cbopt to sqrt(v_hat) after:
+    # the effective eps differs by a factor 1/sqrt(1 - beta2**t) (<= 4.1 once rectified at these betas). With eps=1e-8
+    # that moves params by ~3e-8 relative over 100 steps: below fp32's 1e-6, but visible in fp64 (measured 3.6e-8).
+    Case('radam', **both(lambda m, ps, lr: m.RAdam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-8, wd=0.1)),
+         torch=lambda ps, lr, **kw: optim.RAdam(ps, lr=lr, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1,
+                                                decoupled_weight_decay=True, **kw),
+         torch_parity=Tol(fp64=1e-7), compiles=('inductor',), inductor_graphs=4),  # r > 5 flips once: 2 more graphs
+    Case('radam-l2', **both(lambda m, ps, lr: m.RAdam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-8, wd=0.1,
+                                                      decouple_wd=False)),
+         torch=lambda ps, lr, **kw: optim.RAdam(ps, lr=lr, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1, **kw),
+         torch_parity=Tol(fp64=1e-7, floor=ROUNDING_FLOOR)),
+    Case('sadam', **both(lambda m, ps, lr: m.RAdam(ps, lr, sqr_mom=0.95, wd=0.1, beta=10.))),
+    Case('qhadam', **both(lambda m, ps, lr: m.QHAdam(ps, lr, mom=0.9, sqr_mom=0.99, nu_2=0.8, wd=0.1)),
+         compiles=('aot_eager',)),
+    Case('larc', **both(lambda m, ps, lr: m.Larc(ps, lr, clip=True, trust_coeff=1., wd=0.1)), compiles=('inductor',),
+         tensor_scope=True),
+    Case('lars', **both(lambda m, ps, lr: m.Larc(ps, lr, clip=False, trust_coeff=1., wd=0.1)), compiles=('aot_eager',),
+         tensor_scope=True),
+    Case('lamb', **both(lambda m, ps, lr: m.Lamb(ps, lr, sqr_mom=0.95, wd=0.1)), compiles=('aot_eager',),
+         tensor_scope=True),
+    Case('lookahead-sgd', **both(lambda m, ps, lr: m.Lookahead(m.SGD(ps, lr, mom=0.9, wd=0.1), k=5, alpha=0.6)),
+         compiles=('aot_eager',)),
+    Case('lookahead-adam', **both(lambda m, ps, lr: m.Lookahead(m.Adam(ps, lr, eps=1e-6, wd=0.1), k=4, alpha=0.3))),
+    Case('ranger', **both(lambda m, ps, lr: m.ranger(ps, lr, sqr_mom=0.95))),
+    # chains written by a user, here: the loop is their reference. Lion at lr/10: its sign step moves every element by lr
+    Case('lion', build=lambda ps, lr, backend='auto': cbopt.Optimizer(ps, [cbopt.weight_decay, lion], backend=backend,
+                                                                      lr=tenth(lr), mom=0.9, sqr_mom=0.99, wd=0.1),
+         compiles=('aot_eager', 'inductor'), inductor_graphs=2),  # one graph per shape (bias, weight)
+    Case('clip-adam', build=lambda ps, lr, backend='auto': cbopt.Optimizer(
+        ps, [clip_by_norm, cbopt.average_grad, cbopt.average_sqr_grad, cbopt.step_stat, cbopt.adam_step],
+        backend=backend, lr=lr, max_norm=0.05)),
+]
+
+BY_ID: dict[str, Case] = {c.id: c for c in CASES}
+assert len(BY_ID) == len(CASES), "case ids must be unique"
+WITH_FASTAI = [c for c in CASES if c.fastai is not None]
+WITH_TORCH = [c for c in CASES if c.torch is not None]
+
+
+def case(case_id: str) -> Case:
+    return BY_ID[case_id]
