@@ -15,10 +15,15 @@ if TYPE_CHECKING: from ..optimizer import Optimizer
 __all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE']
 
 # torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
-TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg'}
+TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg',
+                    'sum': 'sqr_sum', 'acc_delta': 'delta_sqr_avg', 'exp_inf': 'inf_norm', 'ax': 'param_avg',
+                    'prev': 'prev_grad'}  # Adagrad, Adadelta, Adamax, ASGD, Rprop (cbopt.torch_optimizers)
 TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
-                    'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr'}
-TORCH_OPTIONAL_STATE = ('step',)  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
+                    'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr',
+                    'lr_decay': 'lr_decay', 'rho': 'sqr_mom', 'momentum_decay': 'momentum_decay', 'lambd': 'lambd',
+                    't0': 't0', 'initial_accumulator_value': 'initial_accumulator_value'}  # Adagrad, Adadelta, NAdam, ASGD
+TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
+                        'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
 
 
 def _is_positional(names: list[str]) -> bool: return all(n == str(i) for i, n in enumerate(names))

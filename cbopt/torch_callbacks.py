@@ -1,0 +1,112 @@
+"""Step callbacks for torch.optim's elementwise algorithms that cbopt's own callbacks do not cover: Adagrad, Adadelta,
+Adamax, NAdam, ASGD and Rprop (listed into optimizers in `cbopt.torch_optimizers`).
+
+Each follows torch's `_single_tensor_<algo>` float op for float op where it can, so the results stay within rounding
+of torch's classes; what cbopt already has is reused (`l2_reg`/`weight_decay`, `average_grad`, `average_sqr_grad`,
+`step_stat`, `debias`, `rms_prop_step`). Everything is tensor math (`torch.where`, `clamp`), so every callback runs
+per param, per bucket and compiled; the only Python branches are on hypers and the step count.
+"""
+from __future__ import annotations
+
+import torch
+
+from .callbacks import debias, rms_prop_step
+from .chain import zeros
+
+__all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
+           'rprop_step']
+
+
+def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
+    "Adagrad's running sum of squared grads, `sqr_sum`, set to `initial_accumulator_value` at the first step."
+    if sqr_sum is None: sqr_sum = torch.zeros_like(p.data)
+    if step == 1: sqr_sum.fill_(initial_accumulator_value)  # torch fills it at construction: a fresh torch state loads as is
+    sqr_sum.addcmul_(p.grad.data, p.grad.data, value=1)
+    return {'sqr_sum': sqr_sum}
+sqr_grad_sum.defaults = dict(initial_accumulator_value=0.)
+sqr_grad_sum.state = dict(sqr_sum=zeros)
+
+
+def adagrad_step(p, lr, lr_decay, step, sqr_sum, eps, **kwargs):
+    "Adagrad step: RMSProp's step on the sum of squared grads, with the lr decayed as `lr / (1 + (step-1)*lr_decay)`."
+    rms_prop_step(p, lr / (1 + (step - 1) * lr_decay), sqr_sum, eps)
+adagrad_step.defaults = dict(lr_decay=0., eps=1e-10)
+adagrad_step.state = {}
+
+
+def adadelta_step(p, lr, sqr_mom, eps, sqr_avg, delta_sqr_avg=None, **kwargs):
+    "Adadelta: step by `grad * rms(past updates) / rms(grads)`, and average the squared update with `sqr_mom` (torch's rho)."
+    if delta_sqr_avg is None: delta_sqr_avg = torch.zeros_like(p.data)
+    delta = delta_sqr_avg.add(eps).sqrt_().div_(sqr_avg.add(eps).sqrt_()).mul_(p.grad.data)
+    delta_sqr_avg.mul_(sqr_mom).addcmul_(delta, delta, value=1 - sqr_mom)
+    p.data.add_(delta, alpha=-lr)
+    return {'delta_sqr_avg': delta_sqr_avg}
+adadelta_step.defaults = dict(sqr_mom=0.9, eps=1e-6)
+adadelta_step.state = dict(delta_sqr_avg=zeros)
+
+
+def inf_norm_grad(p, sqr_mom, eps, inf_norm=None, **kwargs):
+    "Adamax's exponentially weighted infinity norm of the grads: `max(sqr_mom * inf_norm, |grad| + eps)`."
+    if inf_norm is None: inf_norm = torch.zeros_like(p.data)
+    inf_norm.mul_(sqr_mom).clamp_(min=p.grad.data.abs().add_(eps))  # clamp(min=t) is torch.maximum, NaNs included
+    return {'inf_norm': inf_norm}
+inf_norm_grad.defaults = dict(sqr_mom=0.999, eps=1e-8)
+inf_norm_grad.state = dict(inf_norm=zeros)
+
+
+def adamax_step(p, lr, mom, step, grad_avg, inf_norm, **kwargs):
+    "Adamax step: the debiased grad average over the infinity norm."
+    p.data.addcdiv_(grad_avg, inf_norm, value=-lr / debias(mom, 1 - mom, step))
+adamax_step.state = {}
+
+
+def _scalar_one(p) -> torch.Tensor:
+    "Initializer: a 0-d one (one per param of a bucket), in float32 (float64 for float64 params), as torch's `mu_product`."
+    return p.data.new_ones((), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+
+
+def nadam_step(p, lr, mom, sqr_mom, eps, step, momentum_decay, grad_avg, sqr_avg, mu_product=None, **kwargs):
+    """NAdam step: Nesterov momentum in Adam, with the momentum warmed up by `momentum_decay`. Keeps the product of the
+    momentums so far, `mu_product`, as a 0-d tensor (as torch does; a Python float would recompile the fused chain at
+    every step) and scales the grads by it first, as torch's capturable NAdam does."""
+    if mu_product is None: mu_product = _scalar_one(p)
+    mu = mom * (1. - 0.5 * 0.96 ** (step * momentum_decay))
+    mu_next = mom * (1. - 0.5 * 0.96 ** ((step + 1) * momentum_decay))
+    mu_product.mul_(mu)
+    denom = (sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)).sqrt_().add_(eps)
+    p.data.addcdiv_(p.grad.data * (-lr * (1. - mu) / (1. - mu_product)), denom)
+    p.data.addcdiv_(grad_avg * (-lr * mu_next / (1. - mu_product * mu_next)), denom)
+    return {'mu_product': mu_product}
+nadam_step.defaults = dict(eps=1e-8, momentum_decay=4e-3)
+nadam_step.state = dict(mu_product=_scalar_one)
+
+
+def asgd_step(p, lr, lambd, alpha, t0, step, param_avg=None, **kwargs):
+    """ASGD: an SGD step with the decaying lr `eta` and decay `lambd*eta`, then the running average of the params
+    (`param_avg`, torch's `ax`) from step `t0` on. `eta` and the averaging weight `mu` are torch's, from the step count."""
+    if param_avg is None: param_avg = torch.zeros_like(p.data)
+    eta = lr / (1 + lambd * lr * (step - 1)) ** alpha  # torch's eta and mu at this step: computed from step-1
+    mu = 1. if step == 1 else 1. / max(1., step - 1 - t0)
+    p.data.mul_(1 - lambd * eta)
+    p.data.add_(p.grad.data, alpha=-eta)
+    if mu == 1: param_avg.copy_(p.data)
+    else: param_avg.add_(p.data.sub(param_avg).mul_(mu))
+    return {'param_avg': param_avg}
+asgd_step.defaults = dict(lambd=1e-4, alpha=0.75, t0=1e6)
+asgd_step.state = dict(param_avg=zeros)
+
+
+def rprop_step(p, lr, etaminus, etaplus, step_size_min, step_size_max, step, prev_grad=None, step_size=None, **kwargs):
+    """Rprop: grow each element's step size by `etaplus` where the grad kept its sign, shrink it by `etaminus` (and
+    skip the element this step) where it flipped; step by the sign of the grad. Step sizes start at the first step's lr."""
+    if prev_grad is None: prev_grad, step_size = torch.zeros_like(p.data), torch.zeros_like(p.data)
+    if step == 1: step_size.fill_(lr)  # torch creates them at the first step, from the group's lr then
+    sign = p.grad.data.mul(prev_grad).sign_()
+    up, flipped = sign > 0, sign < 0
+    factor = torch.where(up, etaplus, torch.where(flipped, etaminus, sign.add_(1)))  # sign is 0 there: 1 (NaN stays)
+    step_size.mul_(factor).clamp_(step_size_min, step_size_max)
+    prev_grad.copy_(p.grad.data).masked_fill_(flipped, 0)
+    p.data.addcmul_(prev_grad.sign(), step_size, value=-1)
+    return {'prev_grad': prev_grad, 'step_size': step_size}
+rprop_step.defaults = dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
+rprop_step.state = dict(prev_grad=zeros, step_size=zeros)

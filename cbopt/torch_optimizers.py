@@ -1,0 +1,85 @@
+"""torch.optim's elementwise algorithms as cbopt optimizers: `Adagrad`, `Adadelta`, `Adamax`, `NAdam`, `ASGD`, `Rprop`.
+
+Each has torch's defaults and numerics (within float rounding of the torch class), and reads that class's state_dict.
+Hyper names are fastai's where fastai has the hyper, torch's otherwise: torch's `betas` are `mom`/`sqr_mom`,
+`weight_decay` is `wd` (L2 by default, as in torch; `decouple_wd=True` for AdamW-style decay), Adadelta's `rho` is
+`sqr_mom`, Rprop's `etas` and `step_sizes` are `etaminus`/`etaplus` and `step_size_min`/`step_size_max` (the names of
+torch's functional API: a hyper is one number per group).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from .callbacks import average_grad, average_sqr_grad, step_stat
+from .optimizer import Optimizer
+from .optimizers import _decay
+from .torch_callbacks import (adadelta_step, adagrad_step, adamax_step, asgd_step, inf_norm_grad, nadam_step,
+                              rprop_step, sqr_grad_sum)
+
+__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop']
+
+
+def _check(ok: bool, msg: str) -> None:
+    "torch's constructor checks for the hypers cbopt's own rules do not know (`cbopt.hypers.HYPER_RULES`)."
+    if not ok: raise ValueError(msg)
+
+
+def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial_accumulator_value: float = 0.,
+            eps: float = 1e-10, wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.Adagrad (`weight_decay` is `wd`). The running sum of squared grads is the state `sqr_sum` (torch's
+    `sum`), set to `initial_accumulator_value` at the first step (torch sets it at construction), and `step`."""
+    _check(lr_decay >= 0, f"Invalid lr_decay value: {lr_decay}")
+    _check(initial_accumulator_value >= 0, f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+    cbs = _decay(decouple_wd) + [step_stat, sqr_grad_sum, adagrad_step]
+    return Optimizer(params, cbs, lr=lr, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value, eps=eps,
+                     wd=wd, backend=backend)
+
+
+def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: float = 1e-6, wd: float = 0.,
+             decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.Adadelta: `sqr_mom` is torch's `rho`, `wd` its `weight_decay`. State: `sqr_avg` (torch's
+    `square_avg`) and `delta_sqr_avg` (torch's `acc_delta`, the average of the squared updates)."""
+    cbs = _decay(decouple_wd) + [average_sqr_grad, adadelta_step]
+    return Optimizer(params, cbs, lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+
+
+def Adamax(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
+           wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.Adamax: `mom`, `sqr_mom` are torch's `betas`, `wd` its `weight_decay`. State: `grad_avg` (torch's
+    `exp_avg`), `inf_norm` (torch's `exp_inf`) and `step`."""
+    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), inf_norm_grad, step_stat, adamax_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+
+
+def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
+          momentum_decay: float = 4e-3, wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.NAdam: `mom`, `sqr_mom` are torch's `betas`, `wd` its `weight_decay`, `decouple_wd` its
+    `decoupled_weight_decay` (NAdamW). State: `grad_avg`, `sqr_avg`, `step` and `mu_product` (a number)."""
+    _check(momentum_decay >= 0, f"Invalid momentum_decay value: {momentum_decay}")
+    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, nadam_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, momentum_decay=momentum_decay, wd=wd,
+                     backend=backend)
+
+
+def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
+         wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.ASGD (`wd` is its `weight_decay`). The averaged params, torch's `state[p]['ax']`, are
+    `opt.state[p]['param_avg']` (by name: `opt.state_dict()['state'][fqn]['param_avg']`); before step `t0` they are
+    the params themselves. torch also keeps `eta` and `mu` in state: cbopt computes them from `step`, `lr` and the
+    hypers (so after a change of lr, the next step uses the new lr at once, where torch's `eta` lags one step)."""
+    cbs = _decay(decouple_wd) + [step_stat, asgd_step]
+    return Optimizer(params, cbs, lr=lr, lambd=lambd, alpha=alpha, t0=t0, wd=wd, backend=backend)
+
+
+def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.5, 1.2),
+          step_sizes: tuple[float, float] = (1e-6, 50), wd: float = 0., decouple_wd: bool = False,
+          backend: str = "auto") -> Optimizer:
+    """torch.optim.Rprop: `etas` become the hypers `etaminus`, `etaplus`, and `step_sizes` `step_size_min`,
+    `step_size_max`; `lr` is each step size's value at the first step. State: `prev_grad` (torch's `prev`),
+    `step_size` and `step`. torch's Rprop has no weight decay: `wd` (L2 by default) is cbopt's addition."""
+    (etaminus, etaplus), (step_size_min, step_size_max) = etas, step_sizes
+    _check(0.0 < etaminus < 1.0 < etaplus, f"Invalid eta values: {etaminus}, {etaplus}")
+    cbs = _decay(decouple_wd) + [step_stat, rprop_step]
+    return Optimizer(params, cbs, lr=lr, etaminus=etaminus, etaplus=etaplus, step_size_min=step_size_min,
+                     step_size_max=step_size_max, wd=wd, backend=backend)
