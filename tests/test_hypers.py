@@ -45,7 +45,8 @@ def step_both(opt, ref, n=5):
             o.step()
 
 
-def assert_same_params(opt, ref):
+def assert_same_param_lists(opt, ref):
+    "The params of a cbopt and a fastai optimizer agree, list by list (to float tolerance)."
     for p, q in zip(all_params(opt), all_params(ref)): torch.testing.assert_close(p, q)
 
 
@@ -75,7 +76,7 @@ def test_live_writes_are_used_by_the_step():
     opt.param_groups[2]['momentum'] = 0.3  # torch's name
     ref.hypers[2]['mom'] = 0.3
     step_both(opt, ref)
-    assert_same_params(opt, ref)
+    assert_same_param_lists(opt, ref)
 
 
 # -- set_hyper ---------------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_set_hypers():
     for h, fh in zip(opt.hypers, ref.hypers):
         for k in ('lr', 'wd', 'mom'): assert h[k] == pytest.approx(float(fh[k]))
     step_both(opt, ref)
-    assert_same_params(opt, ref)
+    assert_same_param_lists(opt, ref)
 
 
 # -- per-param flags ---------------------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def test_clear_state_keeps_flags():
     assert [dict(opt.state[p]) for p in opt.params] == [dict(ref.state[p]) for p in all_params(ref)]
     assert opt.state[opt.params[0]] == {'do_wd': False} and opt.state[opt.params[1]] == {'force_train': True}
     step_both(opt, ref, 3)  # and the state restarts from scratch as fastai's does
-    assert_same_params(opt, ref)
+    assert_same_param_lists(opt, ref)
 
 
 # -- add_param_group ---------------------------------------------------------------------------------------------
@@ -246,3 +247,22 @@ def test_momentum_alias():
             for p in o.params: p.grad = torch.randn(p.shape, generator=g)
             o.step()
     for p, q in zip(a.params, b.params): torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# -- defaults ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('name', ['SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger'])
+def test_lr_defaults_to_1e_3(name):
+    "The README: `lr` defaults to 1e-3 as in torch.optim, for every prebuilt optimizer (Lookahead: its inner one's)."
+    p = torch.zeros(3, requires_grad=True)
+    opt = cbopt.Lookahead(cbopt.SGD([p])) if name == 'Lookahead' else getattr(cbopt, name)([p])
+    assert opt.hypers[0]['lr'] == opt.param_groups[0]['lr'] == 1e-3
+
+
+def test_default_lr_steps_as_torch_sgd():
+    "With no lr given, cbopt's SGD and torch's take the same step: p - 1e-3 * grad."
+    p, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt, ref = cbopt.SGD([p]), torch.optim.SGD([q])
+    for t in (p, q): t.grad = torch.tensor([1., 2., -4.])
+    opt.step(), ref.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([1 - 1e-3, 1 - 2e-3, 1 + 4e-3]), rtol=0, atol=0)
+    torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -14,6 +14,7 @@ from torch import nn
 
 import cbopt
 from cbopt import Optimizer
+from conftest import random_grads
 
 CBS = [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step]
 FAI_CBS = [fai_weight_decay, fai_average_grad, fai_momentum_step]
@@ -24,15 +25,9 @@ def models():
     return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), nn.Linear(2, 1)
 
 
-def set_grads(params, seed):
-    "Deterministic, different grads for every param and every `seed`."
-    g = torch.Generator().manual_seed(seed)
-    for p in params: p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-
-
 def step_n(opt, n=3):
     for i in range(n):
-        set_grads(opt.params, i)
+        random_grads(opt.params, i)
         opt.step()
 
 
@@ -105,8 +100,8 @@ def test_torch_group_dicts_with_per_group_hypers():
     ref.hypers[0].update(lr=0.01, wd=0.1)
     ref.hypers[1].update(mom=0.5)
     for i in range(4):
-        set_grads(opt.params, i)
-        set_grads([p for pl in ref.param_lists for p in pl], i)
+        random_grads(opt.params, i)
+        random_grads([p for pl in ref.param_lists for p in pl], i)
         opt.step(), ref.step()
     for p, q in zip(opt.params, [*ref_enc.parameters(), *ref_head.parameters()]): torch.testing.assert_close(p, q)
 

@@ -9,31 +9,22 @@ from torch import nn
 
 import cbopt
 from cbopt.state import split_flags
+from conftest import make_model, random_grads
 
-
-def model(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
-
-
-NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']
+NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']  # make_model's
 ADAM_KEYS = {'grad_avg', 'sqr_avg', 'step'}
 
 
-def set_grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in params: p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-
-
-def run(opt, steps, start=0):
+def step_random(opt, steps, start=0):
+    "`steps` steps of `opt` on seeded random grads (seeds `start`, `start+1`, ...)."
     for i in range(start, start + steps):
-        set_grads(opt.params, i)
+        random_grads(opt.params, i)
         opt.step()
     return opt
 
 
 def adam(seed=0, lr=0.01, dtype=torch.float32, steps=3):
-    return run(cbopt.Adam(model(seed, dtype).named_parameters(), lr=lr, wd=0.1), steps, start=seed * 10)
+    return step_random(cbopt.Adam(make_model(seed, dtype).named_parameters(), lr=lr, wd=0.1), steps, start=seed * 10)
 
 
 def snapshot(opt):
@@ -62,10 +53,10 @@ def assert_same_state(opt, ref):
 
 # -- format ------------------------------------------------------------------------------------------------------
 def test_format_and_weights_only(tmp_path):
-    enc, head = model(), nn.Linear(2, 1)
+    enc, head = make_model(), nn.Linear(2, 1)
     opt = cbopt.Adam({'enc': enc.named_parameters(), 'head': dict(head.named_parameters())}, lr=0.01)
     opt.add_param_group({'params': {'extra': torch.zeros(2, requires_grad=True)}, 'lr': 0.5})
-    run(opt, 2)
+    step_random(opt, 2)
     sd = opt.state_dict()
     fqns = [f'enc.{n}' for n in NAMES] + ['head.weight', 'head.bias']
     assert set(sd) == {'state', 'param_groups'}
@@ -98,12 +89,12 @@ def one_cycle(opt): return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01,
 
 def test_resume_in_fresh_optimizer(tmp_path):
     "Save mid-way through a OneCycle schedule (lr and mom moving); a fresh optimizer and scheduler go on identically."
-    a = cbopt.Adam(model(0).named_parameters(), lr=0.01, wd=0.1)
+    a = cbopt.Adam(make_model(0).named_parameters(), lr=0.01, wd=0.1)
     a.state[a.params[1]]['do_wd'] = False
     sched_a = one_cycle(a)
-    for i in range(4): run(a, 1, i), sched_a.step()
+    for i in range(4): step_random(a, 1, i), sched_a.step()
     torch.save({'opt': a.state_dict(), 'sched': sched_a.state_dict()}, tmp_path / 'ckpt.pt')
-    m = model(7)  # another model, with a's weights loaded into it
+    m = make_model(7)  # another model, with a's weights loaded into it
     with torch.no_grad():
         for p, q in zip(m.parameters(), a.params): p.copy_(q)
     b = cbopt.Adam(m.named_parameters(), lr=0.5, wd=0.1)
@@ -114,14 +105,14 @@ def test_resume_in_fresh_optimizer(tmp_path):
     assert b.hypers == a.hypers
     assert_same_state(b, a)
     for i in range(100, 104):
-        run(a, 1, i), run(b, 1, i)
+        step_random(a, 1, i), step_random(b, 1, i)
         sched_a.step(), sched_b.step()
         assert b.hypers == a.hypers
     assert_same_state(b, a)
 
 
 def test_load_copies_tensors():
-    a, b = adam(0), cbopt.Adam(model(0).named_parameters(), lr=0.01, wd=0.1)
+    a, b = adam(0), cbopt.Adam(make_model(0).named_parameters(), lr=0.01, wd=0.1)
     b.load_state_dict(a.state_dict())
     for p, q in zip(a.params, b.params):
         assert b.state[q]['grad_avg'].data_ptr() != a.state[p]['grad_avg'].data_ptr()
@@ -129,7 +120,7 @@ def test_load_copies_tensors():
 
 # -- strict and atomic -------------------------------------------------------------------------------------------
 def _sgd_state_dict():
-    return run(cbopt.SGD(model(3).named_parameters(), lr=0.01, mom=0.9, wd=0.1), 2).state_dict()
+    return step_random(cbopt.SGD(make_model(3).named_parameters(), lr=0.01, mom=0.9, wd=0.1), 2).state_dict()
 
 
 def _corrupt(kind, sd):
@@ -141,7 +132,9 @@ def _corrupt(kind, sd):
         params.append('ghost.bias'); st['ghost.bias'] = copy.deepcopy(st['2.bias']); return sd, 'ghost.bias'
     if kind == 'missing': params.remove('2.bias'); del st['2.bias']; return sd, '2.bias'
     if kind == 'missing-state': del st['2.bias']; return sd, '2.bias'
-    if kind == 'shape': st['2.bias']['grad_avg'] = torch.zeros(3); return sd, '2.bias'
+    if kind == 'shape': st['2.bias']['grad_avg'] = torch.zeros(4); return sd, '2.bias'
+    if kind == 'shape-same-numel':  # (3, 8) saved as (8, 3): as many elements, so only the shape can tell
+        st['2.weight']['grad_avg'] = st['2.weight']['grad_avg'].t().contiguous(); return sd, '2.weight'
     if kind == 'dtype': st['2.bias']['sqr_avg'] = torch.ones(2, dtype=torch.int64); return sd, '2.bias'
     if kind == 'not-a-tensor': st['2.bias']['sqr_avg'] = [1., 2.]; return sd, '2.bias'
     if kind == 'other-algorithm': return _sgd_state_dict(), '0.weight'
@@ -149,7 +142,7 @@ def _corrupt(kind, sd):
     raise ValueError(kind)
 
 
-BAD = ['unknown-in-state', 'unknown-in-groups', 'missing', 'missing-state', 'shape', 'dtype', 'not-a-tensor',
+BAD = ['unknown-in-state', 'unknown-in-groups', 'missing', 'missing-state', 'shape', 'shape-same-numel', 'dtype', 'not-a-tensor',
        'other-algorithm', 'empty-state']
 
 
@@ -194,14 +187,14 @@ def test_load_casts_to_param_dtype(dtype, initialised):
     if dtype == torch.float64:  # and the run goes on as the fp32 one does, to fp32 precision
         with torch.no_grad():
             for p, q in zip(src.params, dst.params): q.copy_(p)
-        run(src, 3, 100), run(dst, 3, 100)
+        step_random(src, 3, 100), step_random(dst, 3, 100)
         for p, q in zip(src.params, dst.params): torch.testing.assert_close(q, p.double(), rtol=1e-5, atol=1e-6)
 
 
 def test_load_moves_to_param_device():
     "The only other device on a CPU-only machine is `meta`: a CPU checkpoint's tensors follow the params there."
     src = adam(0)
-    dst = cbopt.Adam(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to('meta').named_parameters())
+    dst = cbopt.Adam(make_model(1).to('meta').named_parameters())
     dst.load_state_dict(src.state_dict())
     for p, q in zip(src.params, dst.params):
         assert {k: (v.device.type, v.shape) for k, v in dst.state[q].items() if torch.is_tensor(v)} == \
@@ -215,7 +208,7 @@ def test_load_moves_to_param_device():
                          ids=['adam', 'sgd', 'rmsprop', 'ranger'])
 def test_init_state(make):
     "init_state creates the declared state as it is before a first step: no param changes, and training on is bit-exact."
-    m = model()
+    m = make_model()
     opt = make(m.named_parameters())
     opt.state[opt.params[0]]['do_wd'] = False
     before = [p.detach().clone() for p in m.parameters()]
@@ -228,11 +221,11 @@ def test_init_state(make):
             if k == 'slow_p': torch.testing.assert_close(v, p, rtol=0, atol=0)  # Lookahead's slow weights: the params
             elif torch.is_tensor(v): assert v.shape == p.shape and not v.any(), k  # moments start at zero
             elif k in ('step', 'la_step'): assert v == 0, k
-    ref_m = model()
+    ref_m = make_model()
     ref = make(ref_m.named_parameters())
     ref.state[ref.params[0]]['do_wd'] = False
     opt.backend = ref.backend = 'loop'  # (under auto, Adam's state-complete first step would take torch's fused kernel)
-    run(opt, 3), run(ref, 3)  # the same as never calling init_state
+    step_random(opt, 3), step_random(ref, 3)  # the same as never calling init_state
     assert_same_state(opt, ref)
     assert opt.state[opt.params[0]]['do_wd'] is False
     snap = snapshot(opt)
@@ -246,14 +239,14 @@ def test_init_state_undeclared_chain_dry_runs():
         if grad_avg is None: grad_avg = torch.ones_like(p.grad)
         grad_avg.mul_(0.5).add_(p.grad)
         return {'grad_avg': grad_avg}
-    opt = cbopt.Optimizer(model().named_parameters(), [ema, cbopt.momentum_step], lr=0.1)
+    opt = cbopt.Optimizer(make_model().named_parameters(), [ema, cbopt.momentum_step], lr=0.1)
     opt.init_state()
     assert all(torch.equal(opt.state[p]['grad_avg'], torch.full_like(p, 0.5)) for p in opt.params)
 
 
 def test_init_state_then_load():
     "An initialised optimizer (e.g. for a distributed checkpoint) loads a trained state_dict strictly."
-    src, dst = adam(0), cbopt.Adam(model(1).named_parameters(), lr=0.01, wd=0.1)
+    src, dst = adam(0), cbopt.Adam(make_model(1).named_parameters(), lr=0.01, wd=0.1)
     dst.init_state()
     dst.load_state_dict(src.state_dict())
     assert_same(snapshot(dst), snapshot(src))
@@ -262,15 +255,15 @@ def test_init_state_then_load():
 # -- other libraries' state_dicts (numerics are tested in the parity tests) ---------------------------------------
 @pytest.mark.parametrize('named', [False, True], ids=['ids', 'ids+param_names'])
 def test_load_torch_adamw(named):
-    tm = model(0)
+    tm = make_model(0)
     topt = torch.optim.AdamW(tm.named_parameters() if named else tm.parameters(), lr=0.02, betas=(0.8, 0.95),
                              weight_decay=0.1, eps=1e-6)
     for i in range(3):
-        set_grads(list(tm.parameters()), i)
+        random_grads(list(tm.parameters()), i)
         topt.step()
     sd = topt.state_dict()
     assert ('param_names' in sd['param_groups'][0]) == named and list(sd['state']) == [0, 1, 2, 3]
-    opt = cbopt.Adam(model(1).named_parameters())
+    opt = cbopt.Adam(make_model(1).named_parameters())
     opt.load_state_dict(sd)
     assert opt.param_names == NAMES
     for p, tp in zip(opt.params, tm.parameters()):
@@ -283,23 +276,23 @@ def test_load_torch_adamw(named):
 
 
 def test_torch_param_names_must_match():
-    tm = nn.Sequential(model(0))  # names '0.0.weight', ... do not match ours
+    tm = nn.Sequential(make_model(0))  # names '0.0.weight', ... do not match ours
     topt = torch.optim.AdamW(tm.named_parameters())
-    set_grads(list(tm.parameters()), 0)
+    random_grads(list(tm.parameters()), 0)
     topt.step()
-    opt = cbopt.Adam(model(1).named_parameters())
+    opt = cbopt.Adam(make_model(1).named_parameters())
     before = snapshot(opt)
     with pytest.raises(ValueError, match="'0.0.weight'.*'0.weight'"): opt.load_state_dict(topt.state_dict())
     assert_same(snapshot(opt), before)
 
 
 def test_load_fastai_optimizer():
-    fm = model(0)
+    fm = make_model(0)
     fopt = FastaiAdam(list(fm.parameters()), lr=0.02, wd=0.1)
     for i in range(3):
-        set_grads(list(fm.parameters()), i)
+        random_grads(list(fm.parameters()), i)
         fopt.step()
-    opt = cbopt.Adam(model(1).named_parameters(), lr=0.5)
+    opt = cbopt.Adam(make_model(1).named_parameters(), lr=0.5)
     opt.load_state_dict(fopt.state_dict())
     for p, fp in zip(opt.params, fm.parameters()):
         assert set(opt.state[p]) == ADAM_KEYS and opt.state[p]['step'] == 3

@@ -5,36 +5,19 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
 from torch.optim import lr_scheduler
 
 import cbopt
+from conftest import batch_loss, make_model, random_grads, two_groups
 
 N_STEPS = 12
 
 
-def model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def batch(i):
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
-
-
-def loss_fn(m, i):
-    x, y = batch(i)
-    return (m(x) - y).pow(2).mean()
-
-
 def train_step(m, opt, i):
+    "A torch training step: zero_grad, backward of batch `i`'s loss, step."
     opt.zero_grad()
-    loss_fn(m, i).backward()
+    batch_loss(m, i).backward()
     opt.step()
-
-
-def groups(m): return [list(m[0].parameters()), list(m[2].parameters())]
 
 
 def record(used, first):
@@ -45,9 +28,9 @@ def record(used, first):
 
 
 def test_is_a_torch_optimizer():
-    opt = cbopt.SGD(model().parameters(), lr=0.1)
+    opt = cbopt.SGD(make_model().parameters(), lr=0.1)
     assert isinstance(opt, torch.optim.Optimizer)
-    assert isinstance(cbopt.Adam(model().parameters()), torch.optim.Optimizer)
+    assert isinstance(cbopt.Adam(make_model().parameters()), torch.optim.Optimizer)
 
 
 # -- LR schedulers -----------------------------------------------------------------------------------------------
@@ -62,13 +45,13 @@ SCHEDS = {
 
 def make_pair(algo):
     "Our optimizer and torch's equivalent, over identical models split in two groups."
-    ours_m, ref_m = model(), model()
+    ours_m, ref_m = make_model(), make_model()
     if algo == 'sgd':
-        ours = cbopt.SGD(groups(ours_m), lr=0.1, mom=0.9)
-        ref = torch.optim.SGD([{'params': ps} for ps in groups(ref_m)], lr=0.1, momentum=0.9)
+        ours = cbopt.SGD(two_groups(ours_m), lr=0.1, mom=0.9)
+        ref = torch.optim.SGD([{'params': ps} for ps in two_groups(ref_m)], lr=0.1, momentum=0.9)
     else:
-        ours = cbopt.Adam(groups(ours_m), lr=0.01, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
-        ref = torch.optim.AdamW([{'params': ps} for ps in groups(ref_m)], lr=0.01, betas=(0.9, 0.99), eps=1e-5,
+        ours = cbopt.Adam(two_groups(ours_m), lr=0.01, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
+        ref = torch.optim.AdamW([{'params': ps} for ps in two_groups(ref_m)], lr=0.01, betas=(0.9, 0.99), eps=1e-5,
                                 weight_decay=0.01)
     return ours_m, ours, ref_m, ref
 
@@ -112,14 +95,14 @@ def test_reduce_lr_on_plateau_matches_torch():
 
 # -- GradScaler --------------------------------------------------------------------------------------------------
 def test_grad_scaler_matches_unscaled_run():
-    scaled_m, plain_m = model(), model()
+    scaled_m, plain_m = make_model(), make_model()
     scaled, plain = cbopt.Adam(scaled_m.named_parameters(), lr=0.01), cbopt.Adam(plain_m.named_parameters(), lr=0.01)
     scaler = torch.amp.GradScaler('cpu', init_scale=2. ** 12)
     assert scaler.is_enabled()
     for i in range(6):
         scaled.zero_grad(), plain.zero_grad()
-        scaler.scale(loss_fn(scaled_m, i)).backward()
-        loss_fn(plain_m, i).backward()
+        scaler.scale(batch_loss(scaled_m, i)).backward()
+        batch_loss(plain_m, i).backward()
         assert scaled_m[0].weight.grad.abs().sum() > 1000 * plain_m[0].weight.grad.abs().sum()  # really scaled
         scaler.unscale_(scaled)  # unscales the grads in place, through param_groups
         for p, q in zip(scaled_m.parameters(), plain_m.parameters()): torch.testing.assert_close(p.grad, q.grad)
@@ -130,13 +113,13 @@ def test_grad_scaler_matches_unscaled_run():
 
 
 def test_grad_scaler_skips_step_on_inf():
-    m = model()
+    m = make_model()
     opt = cbopt.Adam(m.named_parameters(), lr=0.01)
     scaler = torch.amp.GradScaler('cpu', init_scale=2. ** 12)
     train_step(m, opt, 0)  # some state to keep
     before = copy.deepcopy((list(m.parameters()), {n: opt.state[p] for n, p in opt.named_params().items()}))
     opt.zero_grad()
-    scaler.scale(loss_fn(m, 1)).backward()
+    scaler.scale(batch_loss(m, 1)).backward()
     m[2].bias.grad[0] = float('inf')
     scaler.step(opt)
     scaler.update()
@@ -149,19 +132,19 @@ def test_grad_scaler_skips_step_on_inf():
 
 # -- closure and zero_grad ---------------------------------------------------------------------------------------
 def test_step_with_closure():
-    ours_m, ref_m = model(), model()
+    ours_m, ref_m = make_model(), make_model()
     ours, ref = cbopt.SGD(ours_m.parameters(), lr=0.1, mom=0.9), cbopt.SGD(ref_m.parameters(), lr=0.1, mom=0.9)
     seen = []
 
     def closure():
         seen.append(torch.is_grad_enabled())
         ours.zero_grad()
-        loss = loss_fn(ours_m, len(seen))
+        loss = batch_loss(ours_m, len(seen))
         loss.backward()
         return loss
     for i in range(1, 4):
         with torch.no_grad(): loss = ours.step(closure)  # grad is enabled inside the closure even so
-        assert torch.is_tensor(loss) and loss.item() == pytest.approx(loss_fn(ref_m, i).item())
+        assert torch.is_tensor(loss) and loss.item() == pytest.approx(batch_loss(ref_m, i).item())
         train_step(ref_m, ref, i)
     assert seen == [True] * 3
     for p, q in zip(ours_m.parameters(), ref_m.parameters()): torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -169,28 +152,28 @@ def test_step_with_closure():
 
 
 def test_zero_grad():
-    m = model()
+    m = make_model()
     opt = cbopt.SGD(m.parameters(), lr=0.1)
-    loss_fn(m, 0).backward()
+    batch_loss(m, 0).backward()
     grads = [p.grad for p in m.parameters()]
     opt.zero_grad(set_to_none=False)
     assert all(p.grad is g and not g.any() for p, g in zip(m.parameters(), grads))  # zeroed in place
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in m.parameters())
-    loss_fn(m, 0).backward()
+    batch_loss(m, 0).backward()
     opt.zero_grad()  # torch's default: set to None
     assert all(p.grad is None for p in m.parameters())
 
 
 # -- hooks -------------------------------------------------------------------------------------------------------
 def test_step_hooks():
-    m = model()
+    m = make_model()
     opt = cbopt.SGD(m.parameters(), lr=0.1)
     calls = []
 
     def closure():
         opt.zero_grad()
-        loss = loss_fn(m, 0)
+        loss = batch_loss(m, 0)
         loss.backward()
         return loss
     w0 = m[0].weight.detach().clone()
@@ -207,7 +190,7 @@ def test_step_hooks():
 
 
 def test_state_dict_hooks():
-    m = model()
+    m = make_model()
     opt = cbopt.SGD(m.named_parameters(), lr=0.1, mom=0.9)
     train_step(m, opt, 0)
     calls = []
@@ -229,18 +212,13 @@ def test_state_dict_hooks():
 
 
 # -- pickle and deepcopy -----------------------------------------------------------------------------------------
-def _set_grads(opt, i):
-    g = torch.Generator().manual_seed(i)
-    for p in opt.params: p.grad = torch.randn(p.shape, generator=g)
-
-
 @pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
 def test_copy_steps_identically_and_independently(how):
-    m = model()
+    m = make_model()
     opt = cbopt.Adam(m.named_parameters(), lr=0.01)
     opt.register_step_post_hook(lambda *a: None)  # hooks (often lambdas) must not stop pickling
     opt.state[opt.params[1]]['do_wd'] = False
-    for i in range(3): _set_grads(opt, i), opt.step()
+    for i in range(3): random_grads(opt.params, i), opt.step()
     twin = copy.deepcopy(opt) if how == 'deepcopy' else pickle.loads(pickle.dumps(opt))
     assert isinstance(twin, cbopt.Optimizer) and twin.param_names == opt.param_names and twin.hypers == opt.hypers
     assert all(p is not q and not p.data_ptr() == q.data_ptr() for p, q in zip(opt.params, twin.params))
@@ -249,11 +227,11 @@ def test_copy_steps_identically_and_independently(how):
     calls = []
     twin.register_step_pre_hook(lambda *a: calls.append(1))  # the copy's hooks work
     frozen = [p.detach().clone() for p in opt.params]
-    for i in range(3, 6): _set_grads(twin, i), twin.step()
+    for i in range(3, 6): random_grads(twin.params, i), twin.step()
     assert calls == [1, 1, 1]
     for p, f in zip(opt.params, frozen): torch.testing.assert_close(p, f, rtol=0, atol=0)  # original untouched
     assert all(opt.state[p]['step'] == 3 for p in opt.params)
-    for i in range(3, 6): _set_grads(opt, i), opt.step()
+    for i in range(3, 6): random_grads(opt.params, i), opt.step()
     for p, q in zip(opt.params, twin.params): torch.testing.assert_close(p, q, rtol=0, atol=0)
     for p, q in zip(opt.params, twin.params):
         for k, v in opt.state[p].items():
@@ -264,11 +242,11 @@ def test_copy_steps_identically_and_independently(how):
 @pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
 def test_copy_with_a_scheduler_attached(how):
     "LR schedulers patch `opt.step` on the instance, bound to the original: a copy must step itself (as torch's do)."
-    m = model()
+    m = make_model()
     opt = cbopt.SGD(m.parameters(), lr=0.1)
     lr_scheduler.StepLR(opt, step_size=2)
     twin = copy.deepcopy(opt) if how == 'deepcopy' else pickle.loads(pickle.dumps(opt))
-    _set_grads(twin, 0), _set_grads(opt, 0)
+    random_grads(twin.params, 0), random_grads(opt.params, 0)
     w, t = opt.params[0].detach().clone(), twin.params[0].detach().clone()
     twin.step()
     torch.testing.assert_close(opt.params[0], w, rtol=0, atol=0)
