@@ -20,12 +20,13 @@ This module imports nothing from cbopt: every other module may import it.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_sig', 'chain_name', 'declared_state',
+__all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'SCOPES']
 
@@ -55,6 +56,24 @@ def chain_defaults(cbs: Iterable[Callable]) -> dict:
     out = {}
     for cb in cbs: out.update(cb_defaults(cb))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _reads(cb: Callable) -> frozenset:
+    try: sig = inspect.signature(cb)
+    except (TypeError, ValueError): return frozenset()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(list(n for n, a in sig.parameters.items() if a.kind in kinds)[1:])  # all but the param
+
+
+def chain_reads(cbs: Iterable[Callable]) -> frozenset:
+    "The keywords a chain's callbacks name (hypers and state), and their declared defaults."
+    out = set()
+    for cb in cbs:
+        try: out |= _reads(cb)
+        except TypeError: out |= _reads.__wrapped__(cb)  # an unhashable callable
+        out |= set(cb_defaults(cb))
+    return frozenset(out)
 
 
 def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:

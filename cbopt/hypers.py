@@ -16,6 +16,8 @@ import torch
 from fastcore.basics import even_mults
 from fastcore.foundation import L
 
+from .chain import chain_name, chain_reads
+
 __all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES']
 
@@ -38,6 +40,10 @@ class ParamGroup(dict):
     def __setitem__(self, k, v):
         v = _plain(v)
         canon = ALIASES.get(k, k)
+        if k != canon and v and 'cbs' in self and canon not in chain_reads(self['cbs']):
+            raise ValueError(f"{k}={v} set on a param group whose chain [{chain_name(self['cbs'])}] has no {canon!r} "
+                             f"(e.g. cbopt.SGD(mom=0) keeps no momentum buffer): it would be ignored. Build the optimizer "
+                             f"with a nonzero {canon!r}, or do not schedule it (OneCycleLR(cycle_momentum=False))")
         super().__setitem__(canon, v)
         for alias, c in ALIASES.items():
             if c == canon: super().__setitem__(alias, v)

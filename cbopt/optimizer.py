@@ -2,6 +2,7 @@
 while being a real `torch.optim.Optimizer` (schedulers, GradScaler, hooks, closures) with named state."""
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -10,9 +11,9 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .chain import chain_defaults, check_chain, cb_name
+from .chain import cb_name, chain_defaults, chain_name, chain_reads, check_chain
 from .engine import Backend, as_backend
-from .hypers import ALIASES, Hypers, ParamGroup, expand_hyper
+from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper
 from .params import check_params, named_groups
 from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
 
@@ -28,6 +29,23 @@ def _as_chain(cbs: Callable | Iterable[Callable]) -> list:
     cbs = list(L(cbs))
     check_chain(cbs)
     return cbs
+
+
+# fastai's hyper names: a fastai Learner sets `lr`, `wd` and (its schedules) `mom` on every optimizer, and `sqr_mom`
+# and `eps` are every Adam-like's. An optimizer accepts them even where its chain does not read them.
+STANDARD_HYPERS = ('lr', 'mom', 'sqr_mom', 'wd', 'eps')
+TORCH_NAMES = {'weight_decay': 'wd', 'betas': 'mom and sqr_mom'}  # torch's hyper names, for a hint
+
+
+def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
+    "Refuse hypers that no callback reads (and are not fastai's standard ones): they would be silently ignored."
+    reads = set(STANDARD_HYPERS).union(*(chain_reads(c) for c in chains))
+    for k in names:
+        if k in reads or k in NOT_HYPERS or k in ALIASES: continue
+        hint = (f"cbopt's name for torch's {k!r} is {TORCH_NAMES[k]}" if k in TORCH_NAMES else
+                f"did you mean {' or '.join(map(repr, difflib.get_close_matches(k, sorted(reads), n=2)))}?"
+                if difflib.get_close_matches(k, sorted(reads), n=2) else f"the callbacks read {sorted(reads)}")
+        raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 
 
 def _run_hooks(hooks: Mapping, opt: Optimizer, *value):
@@ -53,8 +71,16 @@ class Optimizer(torch.optim.Optimizer):
         groups = named_groups(params)
         if not any(g['params'] for g in groups): raise ValueError("optimizer got an empty parameter list")
         check_params(groups)
+        for alias, canon in ALIASES.items():
+            if alias in defaults and canon in defaults and defaults[alias] != defaults[canon]:
+                raise ValueError(f"{alias}={defaults[alias]!r} and {canon}={defaults[canon]!r} name one hyper")
         defaults = {ALIASES.get(k, k): v for k, v in defaults.items()}
         groups = [self._with_chain(g) for g in groups]
+        _check_read(defaults, [self.cbs, *(g['cbs'] for g in groups)], '')
+        for i, g in enumerate(groups):  # a group dict's own hypers, against its own chain
+            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {i})')
+            for k, v in chain_defaults(g['cbs']).items():
+                if k not in g: check_hyper(k, v, i)
         for k, v in defaults.items():  # group dicts win over defaults; slices and lists spread over the groups
             for g, v_ in zip(groups, expand_hyper(k, v, len(groups))): g.setdefault(k, v_)
         for g in groups:  # then each group's own chain's defaults
@@ -62,8 +88,9 @@ class Optimizer(torch.optim.Optimizer):
         scalar_defaults = {**chain_defaults(self.cbs), **{k: expand_hyper(k, v, len(groups))[-1] for k, v in defaults.items()}}
         for alias, canon in ALIASES.items():  # e.g. OneCycleLR looks for 'momentum' in defaults
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
-        self.frozen_idx, self._given = 0, set(defaults)
+        self.frozen_idx, self._given, self._building = 0, set(defaults), True
         super().__init__(groups, scalar_defaults)
+        self._building = False
         for hook in on_create: hook(self)
 
     def _with_chain(self, group: Mapping) -> ParamGroup:
@@ -86,15 +113,11 @@ class Optimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         "Add a group (any accepted params form under `params`); missing hypers come from `defaults`."
         if not isinstance(param_group, Mapping): raise TypeError(f"param_group must be a dict, not {type(param_group).__name__}")
-        if 'param_names' in param_group:  # already named (e.g. from our own __init__)
-            g = dict(param_group)
-            g['params'], g['param_names'] = list(g['params']), list(g['param_names'])
-            if len(g['params']) != len(g['param_names']):
-                raise ValueError("param_group has a different number of 'params' and 'param_names'")
-            groups = [g]
-        else: groups = named_groups([{**param_group}], start=sum(len(g['params']) for g in self.param_groups))
+        groups = named_groups([{**param_group}], start=sum(len(g['params']) for g in self.param_groups))
         check_params(groups, known=self.named_params())
         g = self._with_chain(groups[0])
+        if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
+            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})')
         fill = self.defaults
         if g['cbs'] is not self.cbs:  # its own chain: its defaults, and only the hypers the user gave the optimizer
             fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
@@ -138,11 +161,15 @@ class Optimizer(torch.optim.Optimizer):
         for g, v_ in zip(self.param_groups, expand_hyper(k, v, len(self.param_groups))): g[k] = v_
 
     def set_hypers(self, **kwargs) -> None:
-        for k, v in kwargs.items(): self.set_hyper(k, v)
+        "Set several hypers, all or none (every value is checked before any is written)."
+        values = {k: expand_hyper(k, v, len(self.param_groups)) for k, v in kwargs.items()}
+        for k, vs in values.items():
+            for g, v in zip(self.param_groups, vs): g[k] = v
 
     # -- freezing ------------------------------------------------------------------------------------------------
     def freeze_to(self, n: int) -> None:
         "Train only the groups from `n` on; earlier groups keep training only params flagged `force_train`."
+        if isinstance(n, bool) or not isinstance(n, int): raise TypeError(f"freeze_to takes a group index (an int), got {n!r}")
         self.frozen_idx = n if n >= 0 else len(self.param_groups) + n
         if self.frozen_idx >= len(self.param_groups):
             warnings.warn(f"Freezing {self.frozen_idx} groups; model has {len(self.param_groups)}; whole model is frozen.")

@@ -170,6 +170,12 @@ def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = 
         for name, t in zip(g['param_names'], g['params']):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"param {name!r} (group {i}) is {_a(t)}, not a Tensor")
+            if t.is_complex():
+                raise TypeError(f"param {name!r} (group {i}) is complex ({t.dtype}): cbopt does not step complex params "
+                                "yet: keep its real and imaginary parts as a real param of shape (..., 2) and use "
+                                "torch.view_as_complex(param) in the model")
+            if not t.is_floating_point():
+                raise TypeError(f"param {name!r} (group {i}) has dtype {t.dtype}: only floating-point params can be optimized")
             if not t.is_leaf and not t.retains_grad:
                 raise ValueError(f"param {name!r} (group {i}) is not a leaf tensor: optimize the tensor it was computed from")
             if id(t) in seen_ids:

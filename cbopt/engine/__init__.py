@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from ..chain import chain_name
 from ..hypers import Hypers
 from .auto import auto_bucket
 from . import buckets as bucketing
@@ -62,8 +63,26 @@ def _fused(opt, b: Bucket, hyper: Mapping) -> None:
 RUNNERS: dict[str, Callable] = {'loop': loop_bucket, 'foreach': foreach_bucket, 'fused': _fused, 'auto': auto_bucket}
 
 
+def check_grads(opt) -> None:
+    """Before anything changes, refuse what no chain can step: a grad of another shape than its param, a grad that
+    is not a floating-point tensor of the param's kind, a sparse grad (no cbopt callback supports one, as torch's Adam
+    does not). The error names the param, and nothing is stepped: a step is all or nothing."""
+    for g in opt.param_groups:
+        for name, p in zip(g['param_names'], g['params']):
+            grad = p.grad
+            if grad is None: continue
+            if grad.is_sparse:
+                raise RuntimeError(f"param {name!r} has a sparse gradient, which the chain [{chain_name(g['cbs'])}] does "
+                                   "not support (densify it with grad.to_dense(), or use torch.optim.SparseAdam)")
+            if grad.shape != p.shape:
+                raise RuntimeError(f"param {name!r} has shape {tuple(p.shape)} but its grad has shape {tuple(grad.shape)}")
+            if grad.dtype.is_floating_point != p.dtype.is_floating_point or grad.is_complex() != p.is_complex():
+                raise TypeError(f"param {name!r} has dtype {p.dtype} but its grad has dtype {grad.dtype}")
+
+
 def run_step(opt) -> None:
     "Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend."
+    check_grads(opt)
     kind = opt.backend_options.kind
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         for g in opt.param_groups:

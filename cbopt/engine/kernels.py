@@ -41,6 +41,10 @@ def fused_adamw(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
     if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
     if any(p.grad.dtype != p0.dtype for p in b.params): return None
+    # the kernel walks grads and state in the param's memory order: all strides must match (a transposed param with a
+    # contiguous grad, channels_last) or it silently pairs the wrong elements
+    if any(p.grad.stride() != p.stride() or s['grad_avg'].stride() != p.stride() or s['sqr_avg'].stride() != p.stride()
+           for p, s in zip(b.params, b.states)): return None
     def run():
         step = st['step'] + 1
         steps = [torch.tensor(float(step), device=p0.device)] * len(b.params)

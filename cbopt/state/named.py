@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..chain import chain_name, init_chain_state, is_declared, run_chain, transient_keys
-from ..hypers import NOT_HYPERS, Hypers, _plain
+from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper
 from .flags import split_flags
 from .formats import TORCH_OPTIONAL_STATE, to_named
 
@@ -39,11 +39,14 @@ def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
 
 
 def named_state_dict(opt: Optimizer) -> dict:
-    "The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params."
+    """The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params. A snapshot: its
+    tensors are copies, so a checkpoint kept in memory does not change as training goes on (torch's aliases the live
+    state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
+    earlier step's count)."""
     state = {}
     for name, p in zip(opt.param_names, opt.params):
         s = opt.state.get(p)
-        if s: state[name] = {k: _plain(v) for k, v in s.items()}
+        if s: state[name] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _plain(v) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, 'chain': chain_name(g['cbs']), 'params': list(g['param_names'])}
               for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
@@ -120,4 +123,7 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                                  "here: it was saved by a different algorithm")
             new_state[p] = {k: _load_value(name, k, ck[k], expected[k]) for k in expected}
     hypers = [{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERS} for g in groups]
+    for i, h in enumerate(hypers):
+        for k, v in h.items():
+            if k != 'initial_lr': check_hyper(k, v, i)  # a corrupt checkpoint must not load a NaN lr
     return new_state, hypers
