@@ -9,8 +9,13 @@ from .engine import BACKENDS, Backend
 from .optimizer import Optimizer
 from .optimizers import *
 from .optimizers import __all__ as _optimizers_all
+from .torch_callbacks import *
+from .torch_callbacks import __all__ as _torch_callbacks_all
+from .torch_optimizers import *
+from .torch_optimizers import __all__ as _torch_optimizers_all
 from .tensorlist import BucketError, TensorList
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
-           'TensorList', 'BucketError', *_callbacks_all, *_optimizers_all]
+           'TensorList', 'BucketError', *_callbacks_all, *_optimizers_all,
+           *_torch_callbacks_all, *_torch_optimizers_all]

@@ -108,8 +108,8 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'nu_1':        ('Invalid nu_1 value', 'a number', '', _is_in(-math.inf)),
     'nu_2':        ('Invalid nu_2 value', 'a number', '', _is_in(-math.inf)),
     'trust_coeff': ('Invalid trust_coeff value', 'trust_coeff >= 0', '', _is_in(0)),
-    'alpha':       ('Invalid alpha value', '0 <= alpha <= 1', "Lookahead's step towards the fast weights",
-                    _is_in(0, 1, hi_open=False)),
+    'alpha':       ('Invalid alpha value', 'a number', "Lookahead's step (Lookahead checks 0..1), ASGD's power",
+                    _is_in(-math.inf)),
     'k':           ('Invalid k value', 'an int >= 1', "Lookahead's steps between syncs", _is_in(1)),
 }
 INT_HYPERS = ('k',)

@@ -444,3 +444,30 @@ def test_range_matches_torch(ours, theirs, v):
     ps = lambda: [torch.zeros(2, requires_grad=True)]
     assert _refuses(lambda: ours(ps(), v)) == _refuses(lambda: theirs(ps(), v)), v
     for bad in (math.nan, math.inf): assert _refuses(lambda: ours(ps(), bad))
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_grads_with_other_strides_than_their_params(backend):
+    "A transposed param with a contiguous grad, and a channels_last param: every backend steps as the loop does."
+    def run(be):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.randn(4, 6, generator=g).t().requires_grad_(), torch.randn(2, 3, 4, 4, generator=g).to(
+              memory_format=torch.channels_last).requires_grad_()]
+        opt = cbopt.Adam(ps, lr=0.1, wd=0.1, backend=be)
+        for i in range(3):
+            for p in ps: p.grad = torch.randn(p.shape, generator=g)  # contiguous, unlike its param
+            opt.step()
+        return ps
+    for a, b in zip(run(backend), run('loop')): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_is_a_snapshot():
+    "An in-memory checkpoint is not changed by later steps: moments and step counts stay those of when it was taken."
+    e = Env('loop')
+    sd = e.opt.state_dict()
+    kept = copy.deepcopy(sd)
+    e.step(1)
+    assert_same(sd, kept)
+    fresh = Env('loop')
+    fresh.opt.load_state_dict(sd)
+    assert_same(fresh.opt.state_dict(), kept)
