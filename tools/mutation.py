@@ -1,0 +1,167 @@
+"""Mutation testing of one cbopt module with mutmut 3, scoped to the tests that cover it (issue #14).
+
+    python tools/mutation.py callbacks            # or tensorlist, state, hypers, params, engine
+    python tools/mutation.py callbacks -j 2       # mutmut workers (default 1: the CPU is shared)
+    python tools/mutation.py callbacks --show     # also print the diff of every surviving mutant
+
+The repository is left untouched: the runner copies the library, the tests and the pytest/packaging config into a
+scratch directory (default `/tmp/cbopt-mutation/<module>`, kept between runs so a rerun only retests what
+changed; `--fresh` starts over), writes mutmut's config there as a `setup.cfg` with only a `[mutmut]` section, and
+runs `mutmut run` in it. mutmut mutates only the module's files (`only_mutate`) and runs only its covering tests,
+single-threaded (`-n 0`: no xdist) with one intra-op thread per process. It prints killed / survived / timeout /
+no-tests counts per file and the score = (killed + timeout) / (all mutants that ran).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import re
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> (source files, relative to the repo; tests that cover them)
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
+    'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
+    'state': (['cbopt/state/*.py'], ['tests/test_state_dict.py', 'tests/test_resume.py', 'tests/test_bad_input.py']),
+    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_bad_input.py']),
+    'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
+    'engine': (['cbopt/engine/*.py'], ['tests/test_backends.py', 'tests/test_chain.py']),
+}
+
+# what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
+COPY = ['cbopt', 'tests', 'pytest.ini', 'settings.ini', 'setup.py', 'README.md', 'nbs', 'docs']
+
+# mutmut's exit-code meaning (mutmut/stats.py): 1 and 3 are kills, 0 a survivor, 33/5 no covering test
+KILLED, SURVIVED, NO_TESTS = {1, 3}, {0}, {5, 33}
+TIMEOUT = {36, -24, 24, 152, 255}
+
+
+def _list(values: list[str]) -> str:
+    "A setup.cfg list for mutmut: one value a line (a single-line value is one item, spaces and all)."
+    return ''.join(f'\n    {v}' for v in values)
+
+
+def docstring_patterns(work: Path, sources: list[str]) -> list[str]:
+    """One regex per docstring line of the module's functions and classes, the line's exact text: mutmut 3 would
+    otherwise mutate docstrings (`"XX...XX"`, case changes), mutants no test can or should see. A pattern names a
+    line; mutmut skips the whole statement starting there, so the first line of each docstring is enough."""
+    pats = []
+    for src in sorted({f for s in sources for f in glob.glob(str(work / s))}):
+        text = Path(src).read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)): continue
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                pats.append('^' + re.escape(lines[body[0].lineno - 1]) + '$')
+    return [p.replace('%', '%%') for p in pats]  # setup.cfg interpolates '%'
+
+
+def write_config(work: Path, sources: list[str], tests: list[str]) -> None:
+    (work / 'setup.cfg').write_text(
+        '[mutmut]\n'
+        'source_paths = cbopt\n'                                     # copied whole, so every import works
+        f'only_mutate ={_list(sources)}\n'
+        f'pytest_add_cli_args_test_selection ={_list(tests)}\n'
+        f'pytest_add_cli_args ={_list(["-n", "0", "-p", "no:cacheprovider", "--hypothesis-seed=0"])}\n'
+        f'do_not_mutate_patterns ={_list(docstring_patterns(work, sources))}\n'
+        'process_isolation = forkserver\n'                           # the tests import torch: not fork-safe
+        'timeout_multiplier = 10\n')
+
+
+def sync(work: Path, fresh: bool) -> None:
+    """Copy the repo's files into `work`. mutmut keeps the previous run's results in `work/mutants` and reruns
+    only the functions whose source changed, so a rerun after adding tests costs only those."""
+    if fresh and work.exists(): shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in COPY:
+        src, dst = ROOT / name, work / name
+        if not src.exists(): continue
+        if src.is_dir():
+            if dst.exists(): shutil.rmtree(dst)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.pyc', '.ipynb_checkpoints'))
+        else:
+            shutil.copy2(src, dst)
+    # the tests changed: mutmut's copy of them in mutants/ must follow (it copies `tests/` only when absent)
+    if (work / 'mutants' / 'tests').exists(): shutil.rmtree(work / 'mutants' / 'tests')
+
+
+def results(work: Path) -> dict[str, int | None]:
+    "Every mutant's exit code, from mutmut's `.meta` files."
+    codes: dict[str, int | None] = {}
+    for meta in sorted((work / 'mutants').rglob('*.py.meta')):
+        codes.update(json.loads(meta.read_text())['exit_code_by_key'])
+    return codes
+
+
+def status(code: int | None) -> str:
+    if code in KILLED: return 'killed'
+    if code in SURVIVED: return 'survived'
+    if code in TIMEOUT: return 'timeout'
+    if code in NO_TESTS: return 'no tests'
+    return 'not checked' if code is None else f'other ({code})'
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('module', choices=sorted(MODULES))
+    ap.add_argument('-j', '--max-children', type=int, default=1, help='mutmut workers (default 1)')
+    ap.add_argument('--work', type=Path, help='scratch directory (default /tmp/cbopt-mutation/<module>)')
+    ap.add_argument('--fresh', action='store_true', help='forget the previous run of this module')
+    ap.add_argument('--survivors', action='store_true',
+                    help="rerun only the last run's survivors (after adding tests: mutmut keeps other results)")
+    ap.add_argument('--show', action='store_true', help="print every survivor's diff")
+    ap.add_argument('--report-only', action='store_true', help='print the last run\'s results, run nothing')
+    args = ap.parse_args(argv)
+
+    sources, tests = MODULES[args.module]
+    work = (args.work or Path('/tmp/cbopt-mutation') / args.module).resolve()
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1', 'PYTHONDONTWRITEBYTECODE': '1'}
+    mutmut = [sys.executable, '-c', 'import sys; from mutmut.__main__ import cli; sys.exit(cli())']
+    if not args.report_only:
+        sync(work, args.fresh)
+        write_config(work, sources, tests)
+        rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
+        print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
+              flush=True)
+        names = [k for k, c in results(work).items() if status(c) == 'survived'] if args.survivors else []
+        rc = subprocess.run([*mutmut, 'run', '--max-children', str(args.max_children), *names],
+                            cwd=work, env=env).returncode
+        if rc: print(f'mutmut run exited with {rc}', file=sys.stderr)
+
+    codes = results(work)
+    if not codes:
+        print('no mutants recorded', file=sys.stderr)
+        return 1
+    by_file: dict[str, Counter] = {}
+    for key, code in codes.items():
+        by_file.setdefault(key.split('.x_')[0].split('.xǁ')[0], Counter())[status(code)] += 1
+    total = Counter(status(c) for c in codes.values())
+    print()
+    for f, c in sorted(by_file.items()): print(f'{f}: {dict(sorted(c.items()))}')
+    ran = total['killed'] + total['timeout'] + total['survived']
+    caught = total['killed'] + total['timeout']
+    print(f'{args.module}: {len(codes)} mutants: killed {total["killed"]}, timeout {total["timeout"]}, '
+          f'survived {total["survived"]}, no tests {total["no tests"]}, '
+          f'other {len(codes) - ran - total["no tests"]}')
+    if ran: print(f'{args.module}: score {caught}/{ran} = {100 * caught / ran:.1f}% (timeouts count as killed)')
+    survivors = sorted(k for k, c in codes.items() if status(c) in ('survived', 'no tests'))
+    for k in survivors:
+        print(f'{status(codes[k])}: {k}')
+        if args.show:
+            subprocess.run([*mutmut, 'show', k], cwd=work, env=env)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
