@@ -7,6 +7,9 @@ but since every cbopt param group carries its own chain, the result is ONE `cbop
 children's groups, in order, each with its own chain and hypers: a real `torch.optim.Optimizer`, so LR schedulers,
 GradScaler, step hooks and fastai's hypers reach every group, and one `step()` runs every chain with one backend.
 
+As a fastai `opt_func` (one child per splitter group), cbopt's fastai integration names the params by the Learner's
+model FQNs, as it names every optimizer a Learner creates, so a Learner checkpoint is keyed like `model.state_dict()`.
+
 The children are consumed: their state moves into the combined optimizer (the same dicts, as `Lookahead` does), while
 their groups are copied, so step, schedule and checkpoint the combined one only.
 """
@@ -20,7 +23,7 @@ from fastcore.foundation import L
 
 from .chain import chain_name, chain_reads
 from .engine import Backend
-from .hypers import ALIASES
+from .hypers import ALIASES, Hypers
 from .optimizer import Optimizer
 
 __all__ = ['CombinedOptimizer', 'prepend_opt_key']
@@ -84,7 +87,7 @@ class CombinedOptimizer(Optimizer):
                                          "name a param so; give them distinct prefixes")
                     owner[id(p)], keys[key] = (prefix, name), prefix
                     named.append((key, p))
-                hypers = {k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}
+                hypers = Hypers(g).snapshot()  # (no torch aliases: `momentum` is `mom`)
                 groups.append({'params': named, **hypers, 'cbs': list(g['cbs'])})
                 self.group_prefixes.append(prefix)
         first = pairs[0][1]

@@ -64,7 +64,7 @@ class InBackward(Optimizer):
         if getattr(opt, 'in_backward', False): raise TypeError("this optimizer already steps in backward")
         _refuse_model_scope(opt)
         groups = [{'params': list(zip(g['param_names'], g['params'])),
-                   **{k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')},
+                   **Hypers(g).snapshot(),  # (no torch aliases: `momentum` is `mom`)
                    'cbs': None if g['cbs'] is opt.cbs else list(g['cbs'])} for g in opt.param_groups]
         self._handles, self._hooked, self._index, self._stopped = [], set(), {}, False
         super().__init__(groups, list(opt.cbs), backend=opt.backend_options if backend is None else backend)

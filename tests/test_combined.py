@@ -164,4 +164,35 @@ def test_is_a_torch_optimizer_with_hooks():
     assert calls == [comb, comb]
     comb.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    assert cbopt.CombinedOptimizer(children(make_model()), backend='foreach').backend == 'foreach'
     assert 'enc: [weight_decay' in repr(comb) and 'head: [weight_decay,average_grad,momentum_step]' in repr(comb)
+
+
+def test_fastai_opt_func(tmp_path):
+    """As a fastai `opt_func` (one child per splitter group, here all Adam so that fastai's run with `cbopt.Adam` is the
+    reference): fit_one_cycle gives the same losses, hypers and params bit for bit, and save/load(with_opt) resumes."""
+    from test_fastai_learner import assert_same_training, make_learner, opt_states, assert_states_equal
+
+    def combined_adam(params, lr, **kwargs):
+        return cbopt.CombinedOptimizer([('body', cbopt.Adam(params[0], lr=lr)), ('rest', cbopt.Adam(params[1:], lr=lr))])
+
+    ours, ref = make_learner(combined_adam, path=tmp_path), make_learner(cbopt.Adam, path=tmp_path)
+    for learn in (ours, ref): learn.fit_one_cycle(2, lr_max=1e-2)
+    assert isinstance(ours.opt, cbopt.CombinedOptimizer) and len(ours.opt.param_groups) == 3
+    assert ours.opt.param_names == ref.opt.param_names == [n for n, _ in ours.model.named_parameters()]  # the Learner's FQNs
+    assert_same_training(ours, ref, tol=0)
+    ours.save('comb', with_opt=True)
+    back = make_learner(combined_adam, path=tmp_path)
+    back.create_opt()
+    back.load('comb', with_opt=True)
+    assert_states_equal(opt_states(back), opt_states(ours))
+
+
+def test_fastai_scheduled_mom_on_a_chain_without_momentum():
+    "fastai's schedules set `mom` on every group, even SGD(mom=0)'s: combining (and InBackward) carries it over as it is."
+    model = make_model()
+    plain = cbopt.SGD(model[2].named_parameters(), lr=0.1)
+    plain.set_hyper('mom', 0.95)
+    comb = cbopt.CombinedOptimizer([('enc', cbopt.Adam(model[0].named_parameters())), ('head', plain)])
+    assert comb.param_groups[1]['mom'] == 0.95
+    assert cbopt.InBackward(comb).param_groups[1]['mom'] == 0.95

@@ -223,3 +223,20 @@ def test_grads_never_all_alive():
     assert peaks[1] == largest
     assert peaks[1] <= 0.1 * total, (peaks, total)
     assert_same_params(ours, ref)
+
+
+def test_copy_steps_its_own_params():
+    "A deep copy of (model, optimizer) steps the copied params in backward, and leaves the original's alone."
+    model = make_model()
+    opt = cbopt.InBackward(adam(model))
+    train(opt, model, 1)
+    model2, opt2 = copy.deepcopy((model, opt))
+    before = copy.deepcopy(model)
+    ref = copy.deepcopy(model)
+    ref_opt = adam(ref)
+    ref_opt.load_state_dict(opt.state_dict())
+    train(opt2, model2, 2, start=1)
+    train(ref_opt, ref, 2, start=1)
+    assert all(p.grad is None for p in model2.parameters())
+    assert_same_params(model2, ref)
+    assert_same_params(model, before)
