@@ -103,6 +103,8 @@ class InBackward(Optimizer):
         "The post-accumulate-grad hook: step `p` alone with its group's chain and hypers, then free its grad."
         if p.grad is None: return
         g, name = self._where(p)
+        if any(getattr(unwrap(cb), 'scope', None) == 'model' for cb in g['cbs']):  # appended to a chain since
+            _refuse_model_scope(self)
         engine.check_grads(SimpleNamespace(param_groups=[{'param_names': [name], 'params': [p], 'cbs': g['cbs']}]))
         b, hyper = Bucket(g, [p], [self.state[p]]), Hypers(g).snapshot()
         kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
@@ -141,7 +143,7 @@ class InBackward(Optimizer):
         "Add a group (as `cbopt.Optimizer` does) whose params then step in backward too."
         super().add_param_group(param_group)
         if self._building: return
-        try: _refuse_model_scope(SimpleNamespace(param_groups=[self.param_groups[-1]]))
+        try: _refuse_model_scope(self)
         except ValueError:
             self.param_groups.pop()
             raise

@@ -155,6 +155,13 @@ def test_refuses_whole_model_callbacks():
                            {'params': model[2].parameters()}], [cbopt.sgd_step], lr=0.1)
     clip_all.scope = 'model'  # declared after building: the core's scope check is another change
     with pytest.raises(ValueError, match=r"'clip_all' \(group 0\) need every grad at once"): cbopt.InBackward(opt)
+    ok_model = make_model()
+    ok = cbopt.InBackward(cbopt.SGD(ok_model.named_parameters()))
+    with pytest.raises(ValueError, match='clip_all'):  # (by InBackward, or by the core's chain check)
+        ok.add_param_group({'params': [nn.Parameter(torch.ones(2))], 'cbs': [clip_all, cbopt.sgd_step]})
+    assert len(ok.param_groups) == 1
+    ok.cbs.append(clip_all)  # fastai-style, after building: refused when a hook would run it
+    with pytest.raises(ValueError, match=r"'clip_all' \(group 0\) need every grad"): set_grads(ok_model, 0)
     with pytest.raises(TypeError, match="wraps a cbopt optimizer"): cbopt.InBackward(torch.optim.SGD(model.parameters()))
     with pytest.raises(TypeError, match="already steps in backward"): cbopt.InBackward(cbopt.InBackward(adam(make_model())))
 
