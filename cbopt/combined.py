@@ -71,9 +71,10 @@ class CombinedOptimizer(Optimizer):
     def __init__(self, optims: Sequence[Optimizer | tuple[str, Optimizer]], backend: str | Backend | None = None):
         pairs = _as_pairs(optims)
         owner: dict[int, tuple[str, str]] = {}  # id(param) -> (prefix, name in its child)
-        keys: dict[str, str] = {}               # combined name -> the child's prefix
+        keys: dict[str, str] = {}               # combined name -> which child names it so
         groups, self.group_prefixes = [], []
-        for prefix, opt in pairs:
+        for i, (prefix, opt) in enumerate(pairs):
+            child = f"optimizer {i}" + (f" ({prefix!r})" if prefix else ' (no prefix)')
             for g in opt.param_groups:
                 named = []
                 for name, p in zip(g['param_names'], g['params']):
@@ -83,9 +84,9 @@ class CombinedOptimizer(Optimizer):
                                          f"{prefix!r}: a param steps in one optimizer only")
                     key = prepend_opt_key(name, prefix)
                     if key in keys:
-                        raise ValueError(f"Duplicate param key {key!r}: optimizers {keys[key]!r} and {prefix!r} both "
-                                         "name a param so; give them distinct prefixes")
-                    owner[id(p)], keys[key] = (prefix, name), prefix
+                        raise ValueError(f"Duplicate param key {key!r}: {keys[key]} and {child} both name a param so; "
+                                         "give them distinct prefixes")
+                    owner[id(p)], keys[key] = (prefix, name), child
                     named.append((key, p))
                 hypers = Hypers(g).snapshot()  # (no torch aliases: `momentum` is `mom`)
                 groups.append({'params': named, **hypers, 'cbs': list(g['cbs'])})

@@ -139,8 +139,10 @@ def test_refusals_name_the_culprit():
         cbopt.CombinedOptimizer([('enc', cbopt.Adam(model[0].named_parameters())), ('enc', cbopt.SGD(model[2].named_parameters()))])
     with pytest.raises(ValueError, match="param 'weight' of optimizer 'a' is also param 'weight' of optimizer 'b'"):
         cbopt.CombinedOptimizer([('a', cbopt.Adam(model[0].named_parameters())), ('b', cbopt.SGD(model[0].named_parameters()))])
-    with pytest.raises(ValueError, match="Duplicate param key 'weight'"):  # torchrec's message; bare children, same names
+    with pytest.raises(ValueError, match=r"Duplicate param key 'weight': optimizer 0 \(no prefix\) and optimizer 1 \(no prefix\)"):  # torchrec's message; bare children, same names
         cbopt.CombinedOptimizer([cbopt.Adam(model[0].named_parameters()), cbopt.SGD(model[2].named_parameters())])
+    with pytest.raises(ValueError, match=r"Duplicate param key 'head.weight': optimizer 0 \(no prefix\) and optimizer 1 \('head'\)"):
+        cbopt.CombinedOptimizer([cbopt.Adam([('head.weight', model[0].weight)]), ('head', cbopt.SGD([('weight', model[2].weight)]))])
     with pytest.raises(TypeError, match=r"torch\.optim\.sgd\.SGD, not a cbopt optimizer"):
         cbopt.CombinedOptimizer([('enc', cbopt.Adam(model[0].named_parameters())), ('head', torch.optim.SGD(model[2].parameters()))])
     with pytest.raises(TypeError, match="steps in backward"):
