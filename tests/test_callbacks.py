@@ -60,6 +60,15 @@ def test_do_wd_false_and_zero_wd_disable_decay(cb) -> None:
         close(p.grad, 3.0)
 
 
+@pytest.mark.parametrize('cb', [weight_decay, l2_reg])
+def test_wd_of_one_decays(cb) -> None:
+    "Only a zero `wd` turns decay off: `wd=1` (no special value) decays by lr*1."
+    p = P((2.0,), (3.0,))
+    cb(p, lr=0.1, wd=1.0)
+    if cb is weight_decay: close(p, 2.0 * 0.9)  # 1 - 0.1*1
+    else: close(p.grad, 3.0 + 1.0 * 2.0)        # 5.0
+
+
 # -- gradient averages -------------------------------------------------------------------------------------------------
 def test_average_grad() -> None:
     "grad_avg = mom*grad_avg + grad, starting from zeros, updated in place and returned as state."
@@ -94,6 +103,13 @@ def test_dampened_grad_avg() -> None:
     avg = T(1.0)
     assert dampened_grad_avg(p, mom=0.9, dampening=0.25, grad_avg=avg)['grad_avg'] is avg
     close(avg, 0.9 * 1.0 + 0.75 * 2.0)  # 2.4
+
+
+def test_dampened_grad_avg_default_is_no_dampening() -> None:
+    "torch.optim.SGD's `dampening` defaults to 0: later steps add the whole grad."
+    p, avg = P((1.0,), (2.0,)), T(1.0)
+    dampened_grad_avg(p, mom=0.9, grad_avg=avg)
+    close(avg, 0.9 * 1.0 + 2.0)  # 2.9
 
 
 def test_average_sqr_grad() -> None:
@@ -185,6 +201,19 @@ def test_radam_step_before_rectification() -> None:
     close(p, 1.0 - 0.1 / 0.1 * 0.5)  # debias1 = 1 - 0.9 = 0.1: p = 0.5 (sqr_avg unused)
 
 
+def test_radam_step_switches_between_steps_5_and_6() -> None:
+    """The switch is at r > 5 (fastai's and the paper's threshold for the SGD warmup), not nearby: sqr_mom=0.99 has
+    r = 199 - 2*5*0.99**5/(1 - 0.99**5) ~ 4.96 at step 5 (momentum SGD) and ~ 5.94 at step 6 (rectified)."""
+    p, avg, sq = P((1.0,), (0.3,)), T(0.5), T(0.04)
+    radam_step(p, **ADAM, step=5, grad_avg=avg, sqr_avg=sq, eps=1e-5, beta=0.)
+    close(p, 1.0 - 0.1 / (1 - 0.9 ** 5) * 0.5)                   # no sqr_avg in the step
+    r, v = rectifier(6)
+    assert 5.9 < r < 6
+    p = P((1.0,), (0.3,))
+    radam_step(p, **ADAM, step=6, grad_avg=avg, sqr_avg=sq, eps=1e-5, beta=0.)
+    close(p, 1.0 - 0.1 * v / (1 - 0.9 ** 6) * 0.5 / (math.sqrt(0.04 / (1 - 0.99 ** 6)) + 1e-5))
+
+
 def rectifier(step: int) -> tuple:
     "RAdam's r_t and rectification term for sqr_mom=0.99 (Liu et al. 2019, eq. and Algorithm 2), written out."
     r_inf = 2 / (1 - 0.99) - 1                                    # 199
@@ -210,12 +239,12 @@ def test_radam_step_rectified(beta: float) -> None:
 
 def test_qhadam_step() -> None:
     "p -= lr * ((1-nu_1)*g + nu_1*grad_avg/debias1) / (sqrt((1-nu_2)*g**2 + nu_2*sqr_avg/debias2) + eps)."
-    p, avg, sq = P((1.0,), (2.0,)), T(0.5), T(0.04)
+    p, avg, sq = P((1.0,), (3.0,)), T(0.5), T(0.04)  # g = 3: g**2 = 9 (a g of 2 would not tell g**2 from 2*g)
     assert qhadam_step(p, **ADAM, step=2, grad_avg=avg, sqr_avg=sq, nu_1=0.7, nu_2=0.8, eps=1e-8) is None
-    num = 0.3 * 2.0 + 0.7 * 0.5 / 0.19                          # debias1 = 1 - 0.9**2 = 0.19
-    den = math.sqrt(0.2 * 4.0 + 0.8 * 0.04 / 0.0199) + 1e-8     # debias2 = 1 - 0.99**2 = 0.0199
+    num = 0.3 * 3.0 + 0.7 * 0.5 / 0.19                          # debias1 = 1 - 0.9**2 = 0.19
+    den = math.sqrt(0.2 * 9.0 + 0.8 * 0.04 / 0.0199) + 1e-8     # debias2 = 1 - 0.99**2 = 0.0199
     close(p, 1.0 - 0.1 * num / den)
-    close(p.grad, 2.0)
+    close(p.grad, 3.0)
 
 
 # -- layer-wise: LARC/LARS, LAMB ---------------------------------------------------------------------------------------
@@ -231,6 +260,12 @@ def test_larc_layer_lr(clip: bool) -> None:
     close(st['local_lr'], 0.1 if clip else 0.1 * 5 / (1 + 0.1 * 5 + 1e-8))  # 0.333 > lr: LARC clips, LARS does not
     close(p, 3.0, 4.0)
     close(p.grad, 0.6, 0.8)
+
+
+def test_larc_layer_lr_clips_by_default() -> None:
+    "LARC (clipped) is the default, LARS (`clip=False`) the option: with trust_coeff=1 the ratio 0.333 > lr is clipped."
+    p = P((3.0, 4.0), (0.6, 0.8))
+    close(larc_layer_lr(p, lr=0.1, trust_coeff=1., wd=0.1, eps=1e-8)['local_lr'], 0.1)
 
 
 def test_larc_step() -> None:
@@ -266,6 +301,15 @@ def test_lamb_step(case: str, data: tuple) -> None:
     close(p, data[0] - 0.01 * q * u[0], data[1] - 0.01 * q * u[1])
     close(avg, 0.1, -0.2)
     close(sq, 0.04, 0.16)
+
+
+def test_lamb_step_with_an_update_of_rms_one() -> None:
+    """Only a zero rms takes ratio 1: an update of rms exactly 1 gets q = rms(p)/1. mom=0.5, sqr_mom=0.75, step 1
+    (debias1 = 0.5, debias2 = 0.25, exact in binary), eps=0: u = (0.5/0.5, -0.5/0.5) / sqrt(0.25/0.25) = (1, -1)."""
+    p = P((3.0, 4.0), (1.0, 1.0))
+    lamb_step(p, lr=0.01, mom=0.5, sqr_mom=0.75, eps=0., step=1, grad_avg=T(0.5, -0.5), sqr_avg=T(0.25, 0.25))
+    q = math.sqrt((3.0 ** 2 + 4.0 ** 2) / 2)  # rms(p) / rms(u) = sqrt(12.5) / 1 ~ 3.54
+    close(p, 3.0 - 0.01 * q * 1.0, 4.0 - 0.01 * q * -1.0)
 
 
 def test_lamb_step_with_a_zero_update() -> None:

@@ -8,7 +8,7 @@ The repository is left untouched: the runner copies the library, the tests and t
 scratch directory (default `/tmp/cbopt-mutation/<module>`, kept between runs so a rerun only retests what
 changed; `--fresh` starts over), writes mutmut's config there as a `setup.cfg` with only a `[mutmut]` section, and
 runs `mutmut run` in it. mutmut mutates only the module's files (`only_mutate`) and runs only its covering tests,
-single-threaded (`-n 0`: no xdist) with one intra-op thread per process. It prints killed / survived / timeout /
+single-threaded (the copy's pytest.ini loads no xdist) with one intra-op thread per process. It prints killed / survived / timeout /
 no-tests counts per file and the score = (killed + timeout) / (all mutants that ran).
 """
 from __future__ import annotations
@@ -73,9 +73,10 @@ def write_config(work: Path, sources: list[str], tests: list[str]) -> None:
         'source_paths = cbopt\n'                                     # copied whole, so every import works
         f'only_mutate ={_list(sources)}\n'
         f'pytest_add_cli_args_test_selection ={_list(tests)}\n'
-        f'pytest_add_cli_args ={_list(["-n", "0", "-p", "no:cacheprovider", "--hypothesis-seed=0"])}\n'
+        f'pytest_add_cli_args ={_list(["-p", "no:cacheprovider", "--hypothesis-seed=0"])}\n'
         f'do_not_mutate_patterns ={_list(docstring_patterns(work, sources))}\n'
         'process_isolation = forkserver\n'                           # the tests import torch: not fork-safe
+        'timeout_constant = 10\n'                                    # the CPU is shared: wall time is no measure
         'timeout_multiplier = 10\n')
 
 
@@ -92,6 +93,10 @@ def sync(work: Path, fresh: bool) -> None:
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.pyc', '.ipynb_checkpoints'))
         else:
             shutil.copy2(src, dst)
+    # no xdist in the scratch copy: each mutant is one short pytest run in a forked process, where loading and
+    # configuring xdist (pytest.ini's `-n 2`) costs more than the tests themselves
+    ini = (work / 'pytest.ini').read_text()
+    (work / 'pytest.ini').write_text(re.sub(r'(?m)^addopts *=.*$', 'addopts = -q -p no:xdist', ini))
     # the tests changed: mutmut's copy of them in mutants/ must follow (it copies `tests/` only when absent)
     if (work / 'mutants' / 'tests').exists(): shutil.rmtree(work / 'mutants' / 'tests')
 
