@@ -598,3 +598,19 @@ def test_lists_of_different_lengths_raise_bucket_error() -> None:
     for f in (lambda: x + y, lambda: x.add_(y), lambda: torch.where(x > 0, x, y), lambda: x.lerp(y, 0.5),
               lambda: x.lerp_(x, y), lambda: x.addcmul(y, x), lambda: x.addcdiv_(x, y), lambda: x.copy_(y)):
         with pytest.raises(BucketError): f()
+
+
+def test_error_messages() -> None:
+    """The errors say what went wrong in these words, whole (the engine's fallback reports them to a callback's
+    author); clamp without bounds says what torch says."""
+    x = make(shapes=[(1,), ()])
+    with pytest.raises(RuntimeError) as torch_err: torch.ones(2).clamp()
+    for f, err, msg in ((lambda: x + make(shapes=[(1,)]), BucketError, "TensorLists of different lengths in one op"),
+                        (lambda: bool(x), BucketError,
+                         "Python control flow on a tensor value cannot run on a whole bucket"),
+                        (lambda: float(x), BucketError, "a bucket has no Python number value (float(), int(), math.*)"),
+                        (lambda: x.norm(out=x), TypeError, "TensorList.norm() takes no 'out'"),
+                        (lambda: x.clamp(), RuntimeError, str(torch_err.value)),
+                        (lambda: x.clamp_(), RuntimeError, str(torch_err.value))):
+        with pytest.raises(err) as e: f()
+        assert str(e.value) == msg
