@@ -14,10 +14,14 @@ from .torch_callbacks import __all__ as _torch_callbacks_all
 from .torch_optimizers import *
 from .torch_optimizers import __all__ as _torch_optimizers_all
 from .tensorlist import BucketError, TensorList
+from .model_callbacks import *
+from .model_callbacks import __all__ as _model_callbacks_all
+from .warmup import GradientClipping, WarmupPolicy, WarmupStage
 from .combined import CombinedOptimizer
 from .in_backward import InBackward
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
-           *_torch_callbacks_all, *_torch_optimizers_all]
+           *_torch_callbacks_all, *_torch_optimizers_all, *_model_callbacks_all,
+           'GradientClipping', 'WarmupPolicy', 'WarmupStage']

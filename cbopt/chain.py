@@ -15,6 +15,20 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
 - `cb.shared = ('grad_avg',)`: entries it creates that another callback of the chain also creates, on purpose.
   Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
 
+A **whole-model callback** declares `cb.scope = 'model'`. It runs once per step over every param with a grad of the
+groups whose chain lists it: `cb(params, groups=..., **{**param_state, **model_state, **hypers}) -> dict | None`, where
+`params` is a list of `TensorList`s (one per device and dtype, each with `.grad`), so it computes with foreach kernels
+and never loops over params. Listed at the start of a chain it runs before the per-param callbacks, at the end after
+them (`split_chain`). Its declarations:
+
+- `cb.state = dict(skipped_total=0)`: its own state (Python numbers), kept in the param group entries of the first
+  group listing it as `'<name>.<key>'` (`'skip_nonfinite.skipped_total'`), so state_dicts and DCP carry it;
+- `cb.param_state = dict(grad_sum=zeros)`: per-param tensors it keeps, in each param's state as `'<name>.<key>'`,
+  passed to it as lists of TensorLists aligned with `params`;
+- `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
+- returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
+  returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr).
+
 This module imports nothing from cbopt: every other module may import it.
 """
 from __future__ import annotations
@@ -28,9 +42,11 @@ import torch
 
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
-           'zeros', 'copy_of_param', 'SCOPES']
+           'zeros', 'copy_of_param', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain', 'model_param_state',
+           'model_key']
 
-SCOPES = ('element', 'tensor')
+SCOPES = ('element', 'tensor', 'model')
+ENGINE_KEYS = ('skip', 'hypers')  # what a whole-model callback may return to the engine, beside its state
 
 
 def unwrap(cb: Callable) -> Callable:
@@ -102,9 +118,48 @@ def chain_name(cbs: Iterable[Callable]) -> str:
 
 # -- declarations ----------------------------------------------------------------------------------------------------
 def declared_state(cb: Callable) -> dict | None:
-    "What `cb` declares it creates (name -> initial value or initializer), or None for an undeclared callback."
-    st = getattr(unwrap(cb), 'state', None)
+    """What `cb` declares it creates in each param's state (name -> initial value or initializer), or None for an
+    undeclared callback. A whole-model callback's per-param state (`param_state`) is named `'<cb name>.<key>'`."""
+    f = unwrap(cb)
+    if is_model_cb(f): return model_param_state(f)
+    st = getattr(f, 'state', None)
     return dict(st) if isinstance(st, Mapping) else None
+
+
+# -- whole-model callbacks -------------------------------------------------------------------------------------------
+def is_model_cb(cb: Callable) -> bool:
+    "Whether `cb` is a whole-model callback (`scope = 'model'`)."
+    return getattr(unwrap(cb), 'scope', None) == 'model'
+
+
+def model_key(cb: Callable, key: str) -> str:
+    "Where a whole-model callback's entry `key` is kept (group entries, per-param state): `'<cb name>.<key>'`."
+    return f'{cb_name(cb)}.{key}'
+
+
+def model_param_state(cb: Callable) -> dict:
+    "The per-param state a whole-model callback declares, under its prefixed names."
+    return {model_key(cb, k): v for k, v in dict(getattr(unwrap(cb), 'param_state', None) or {}).items()}
+
+
+def param_chain(cbs: Iterable[Callable]) -> list:
+    "The per-param callbacks of a chain (its whole-model callbacks left out)."
+    return [cb for cb in cbs if not is_model_cb(cb)]
+
+
+def split_chain(cbs: Iterable[Callable]) -> tuple[list, list, list]:
+    """A chain as (whole-model callbacks before, per-param callbacks, whole-model callbacks after). A whole-model
+    callback between two per-param ones has no place in a step: an error naming it."""
+    cbs = list(cbs)
+    kinds = [is_model_cb(cb) for cb in cbs]
+    i = 0
+    while i < len(cbs) and kinds[i]: i += 1
+    j = len(cbs)
+    while j > i and kinds[j - 1]: j -= 1
+    for cb, m in zip(cbs[i:j], kinds[i:j]):
+        if m: raise ValueError(f"whole-model callback {cb_name(cb)!r} is in the middle of the chain [{chain_name(cbs)}]: "
+                               "list it before every per-param callback (it runs before them) or after (it runs after)")
+    return cbs[:i], cbs[i:j], cbs[j:]
 
 
 def is_declared(cbs: Iterable[Callable]) -> bool:
@@ -113,12 +168,12 @@ def is_declared(cbs: Iterable[Callable]) -> bool:
 
 
 def transient_keys(cbs: Iterable[Callable]) -> frozenset:
-    "The state entries of a chain that live for one step only."
-    return frozenset(k for cb in cbs for k in getattr(unwrap(cb), 'transient', ()))
+    "The per-param state entries of a chain that live for one step only (whole-model callbacks' are their own)."
+    return frozenset(k for cb in cbs if not is_model_cb(cb) for k in getattr(unwrap(cb), 'transient', ()))
 
 
 def scope(cb: Callable) -> str | None:
-    "`'element'` or `'tensor'` (see the module docstring); None when the callback declares nothing (unknown)."
+    "`'element'`, `'tensor'` or `'model'` (see the module docstring); None when the callback declares nothing."
     f = unwrap(cb)
     s = getattr(f, 'scope', None)
     if s is None: return 'element' if declared_state(f) is not None else None
@@ -127,8 +182,9 @@ def scope(cb: Callable) -> str | None:
 
 
 def chain_scope(cbs: Iterable[Callable]) -> str | None:
-    "`'element'` if every callback is elementwise, `'tensor'` if one reduces over a param, None if one is undeclared."
-    scopes = [scope(cb) for cb in cbs]
+    """`'element'` if every per-param callback is elementwise, `'tensor'` if one reduces over a param, None if one is
+    undeclared (whole-model callbacks are left out: see `split_chain`)."""
+    scopes = [scope(cb) for cb in param_chain(cbs)]
     if None in scopes: return None
     return 'tensor' if 'tensor' in scopes else 'element'
 
@@ -156,7 +212,8 @@ def _creators(cbs: Iterable[Callable]) -> dict[str, list]:
     out: dict[str, list] = {}
     for cb in cbs:
         st = declared_state(cb)
-        for k in [*(st or {}), *getattr(unwrap(cb), 'transient', ())]: out.setdefault(k, []).append(cb)
+        transient = () if is_model_cb(cb) else getattr(unwrap(cb), 'transient', ())
+        for k in [*(st or {}), *transient]: out.setdefault(k, []).append(cb)
     return out
 
 
@@ -175,6 +232,12 @@ def check_chain(cbs: Iterable[Callable]) -> None:
     for cb in cbs:
         if not callable(cb): raise TypeError(f"callback {cb!r} is not callable")
         scope(cb)
+    pre, _, post = split_chain(cbs)
+    names = [cb_name(cb) for cb in pre + post]
+    for n in names:
+        if names.count(n) > 1:
+            raise ValueError(f"the chain [{chain_name(cbs)}] lists the whole-model callback {n!r} twice: its state "
+                             f"entries ('{n}.<key>') would collide")
     check_returns(_creators(cbs))
 
 

@@ -19,10 +19,21 @@ from fastcore.foundation import L
 from .chain import chain_name, chain_reads
 
 __all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
-           'ALIASES']
+           'ALIASES', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
+
+
+def is_model_entry(k: Any) -> bool:
+    """Whether a group entry is a whole-model callback's state (`'skip_nonfinite.skipped_total'`: a name with a '.'):
+    saved with the group and loaded strictly, but not a hyper (no scheduler, fastai or `opt.hypers` sees it)."""
+    return isinstance(k, str) and '.' in k
+
+
+def model_entries(g: Mapping) -> dict:
+    "A group's whole-model callback state entries."
+    return {k: v for k, v in g.items() if is_model_entry(k)}
 
 
 def _plain(v: Any) -> Any:
@@ -71,12 +82,12 @@ class ParamGroup(dict):
 class Hypers(MutableMapping):
     "fastai's view of a param group: every entry but the params, names and torch aliases. Reads and writes go through."
     def __init__(self, group: ParamGroup): self.group = group
-    def _is_hyper(self, k) -> bool: return k not in NOT_HYPERS and k not in ALIASES
+    def _is_hyper(self, k) -> bool: return k not in NOT_HYPERS and k not in ALIASES and not is_model_entry(k)
     def __getitem__(self, k):
         if not self._is_hyper(k): raise KeyError(k)
         return self.group[k]
     def __setitem__(self, k, v):
-        if k in NOT_HYPERS: raise KeyError(f"{k!r} is not a hyper")
+        if k in NOT_HYPERS or is_model_entry(k): raise KeyError(f"{k!r} is not a hyper")
         self.group[k] = v
     def __delitem__(self, k): del self.group[k]
     def __iter__(self) -> Iterator: return (k for k in self.group if self._is_hyper(k))
@@ -111,8 +122,12 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'alpha':       ('Invalid alpha value', 'a number', "Lookahead's step (Lookahead checks 0..1), ASGD's power",
                     _is_in(-math.inf)),
     'k':           ('Invalid k value', 'an int >= 1', "Lookahead's steps between syncs", _is_in(1)),
+    'max_norm':    ('Invalid max_norm value', 'max_norm >= 0', "clip_grad_norm's bound on the total grad norm", _is_in(0)),
+    'clip_value':  ('Invalid clip_value value', 'clip_value >= 0', "clip_grad_value's bound on each grad element",
+                    _is_in(0)),
+    'every':       ('Invalid every value', 'an int >= 1', "accumulate_grads' micro-steps per step", _is_in(1)),
 }
-INT_HYPERS = ('k',)
+INT_HYPERS = ('k', 'every')
 FLAG_HYPERS = ('nesterov', 'clip')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
 
@@ -138,7 +153,7 @@ def check_hyper(k: str, v: Any, group: int | None = None) -> None:
     - entries that are not hypers (`params`, `param_names`, a group's chain) cannot be set as hypers.
     `group` (the group's index) is named in the message when given."""
     if not isinstance(k, str): raise TypeError(f"hyper names are strings, got {k!r} ({type(k).__name__})")
-    if k in NOT_HYPERS: raise KeyError(f"{k!r} is not a hyper")
+    if k in NOT_HYPERS or is_model_entry(k): raise KeyError(f"{k!r} is not a hyper")
     k = ALIASES.get(k, k)
     where = '' if group is None else f' (group {group})'
     if k in FLAG_HYPERS:
@@ -164,7 +179,7 @@ def expand_hyper(k: str, v: Any, n: int) -> list:
     gives one value per group, `slice(a, b)` is log-spaced from a to b, and `slice(None, b)` is `[b/10]*(n-1) + [b]`.
     Every value is checked (`check_hyper`) before any is returned, so a caller that writes the result writes all or
     nothing."""
-    if isinstance(k, str) and k in NOT_HYPERS: raise KeyError(f"{k!r} is not a hyper")
+    if isinstance(k, str) and (k in NOT_HYPERS or is_model_entry(k)): raise KeyError(f"{k!r} is not a hyper")
     if isinstance(v, (set, frozenset)):
         raise TypeError(f"hyper {k!r} got a {type(v).__name__}: a set has no order, give a list (one value per group)")
     if isinstance(v, slice):

@@ -13,7 +13,7 @@ from fastcore.foundation import L
 from . import engine
 from .chain import cb_name, chain_defaults, chain_name, chain_reads, check_chain
 from .engine import Backend, as_backend
-from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper
+from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, is_model_entry
 from .params import check_params, named_groups
 from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
 
@@ -41,7 +41,7 @@ def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
     "Refuse hypers that no callback reads (and are not fastai's standard ones): they would be silently ignored."
     reads = set(STANDARD_HYPERS).union(*(chain_reads(c) for c in chains))
     for k in names:
-        if k in reads or k in NOT_HYPERS or k in ALIASES: continue
+        if k in reads or k in NOT_HYPERS or k in ALIASES or is_model_entry(k): continue
         hint = (f"cbopt's name for torch's {k!r} is {TORCH_NAMES[k]}" if k in TORCH_NAMES else
                 f"did you mean {' or '.join(map(repr, difflib.get_close_matches(k, sorted(reads), n=2)))}?"
                 if difflib.get_close_matches(k, sorted(reads), n=2) else f"the callbacks read {sorted(reads)}")
@@ -89,8 +89,10 @@ class Optimizer(torch.optim.Optimizer):
         for alias, canon in ALIASES.items():  # e.g. OneCycleLR looks for 'momentum' in defaults
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
         self.frozen_idx, self._given, self._building = 0, set(defaults), True
+        self.step_stats: dict = {}  # what the last step used: see `engine.run_step` and the README
         super().__init__(groups, scalar_defaults)
         self._building = False
+        engine.init_model_state(self)
         for hook in on_create: hook(self)
 
     def _with_chain(self, group: Mapping) -> ParamGroup:
@@ -124,6 +126,7 @@ class Optimizer(torch.optim.Optimizer):
         for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
         self.param_groups.append(g)
+        if not self._building: engine.init_model_state(self)
 
     @property
     def params(self) -> list[torch.Tensor]: return [p for g in self.param_groups for p in g['params']]
@@ -184,9 +187,13 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- state ---------------------------------------------------------------------------------------------------
     def clear_state(self) -> None:
-        "Forget all algorithm state, keeping the per-param flags (`do_wd`, `force_train`)."
+        """Forget all algorithm state, keeping the per-param flags (`do_wd`, `force_train`); whole-model callbacks'
+        state (in the group entries) restarts from its declared values."""
         for p in self.params:
             if p in self.state: self.state[p] = {k: v for k, v in self.state[p].items() if k in self._keep_on_clear}
+        for g in self.param_groups:
+            for k in [k for k in g if is_model_entry(k)]: del g[k]
+        engine.init_model_state(self)
 
     def init_state(self) -> None:
         """Create the state of every param that has none, as it is before a first step (so training on is exactly as
@@ -196,6 +203,7 @@ class Optimizer(torch.optim.Optimizer):
             for p in g['params']:
                 if not split_flags(self.state.get(p, {}))[0]:
                     self.state[p].update(initial_state(self, p, g))
+        engine.init_model_state(self)
 
     # -- stepping ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -206,6 +214,11 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad(): loss = closure()
         engine.run_step(self)
         return loss
+
+    @property
+    def last_total_grad_norm(self) -> torch.Tensor | None:
+        "The total grad norm before clipping at the last step (torchrec's name), if a `clip_grad_norm` ran."
+        return self.step_stats.get('grad_norm')
 
     # -- named state_dict ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -10,22 +10,27 @@
 
 Files: `buckets` (which params one call serves), `foreach` (loop and foreach runners, the probe), `compiled`,
 `kernels`, `auto`, `runtime` (per-optimizer memory, warnings at the user's line).
+
+A step: `check_grads`; the whole-model callbacks listed at the start of the chains (each once, over the params of
+every group listing it, with the hypers of the first such group); the buckets; the whole-model callbacks listed at
+the end. A whole-model callback returning `skip=True` ends the step there: no per-param callback runs, and no state
+changes but that callback's own (earlier ones' returned state is dropped). What the step used is `opt.step_stats`.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from ..chain import chain_name
+from ..chain import ENGINE_KEYS, _cb_sig, cb_name, chain_name, model_key, model_param_state, split_chain, unwrap
 from ..hypers import Hypers
 from .auto import auto_bucket
 from . import buckets as bucketing
-from .buckets import Bucket
+from .buckets import Bucket, model_buckets
 from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import register_kernel, torch_kernel
 
-__all__ = ['BACKENDS', 'Backend', 'as_backend', 'run_step', 'register_kernel', 'Bucket']
+__all__ = ['BACKENDS', 'Backend', 'as_backend', 'run_step', 'register_kernel', 'Bucket', 'model_plan', 'init_model_state']
 
 BACKENDS = ('auto', 'loop', 'foreach', 'fused')
 
@@ -80,17 +85,131 @@ def check_grads(opt) -> None:
                 raise TypeError(f"param {name!r} has dtype {p.dtype} but its grad has dtype {grad.dtype}")
 
 
+def model_plan(opt) -> tuple[list, list]:
+    """The whole-model callbacks of `opt`'s chains, as `[(cb, [groups listing it])]`: those listed before the per-param
+    callbacks, and those after. One callback listed by several groups (a wrapper's, or the optimizer's shared chain)
+    runs once per step, over all their params."""
+    pre: dict = {}
+    post: dict = {}
+    for g in opt.param_groups:
+        before, _, after = split_chain(g['cbs'])
+        for where, cbs in ((pre, before), (post, after)):
+            for cb in cbs: where.setdefault(_cb_sig(cb), (cb, []))[1].append(g)
+    return list(pre.values()), list(post.values())
+
+
+def _declared(cb, attr: str) -> dict: return dict(getattr(unwrap(cb), attr, None) or {})
+
+
+def init_model_state(opt, plan: tuple | None = None) -> None:
+    """Give each whole-model callback its declared state (in the entries of the first group listing it) and each of
+    its params with state its declared per-param state, where missing (a new optimizer, a wrapped one, a new group)."""
+    from ..state.flags import split_flags
+    pre, post = plan or model_plan(opt)
+    for cb, groups in [*pre, *post]:
+        for k, v in _declared(cb, 'state').items(): groups[0].setdefault(model_key(cb, k), v)
+        per_param = model_param_state(cb)
+        if not per_param: continue
+        for g in groups:
+            for p in g['params']:
+                st = opt.state.get(p)
+                if st and split_flags(st)[0]:
+                    for k, init in per_param.items():
+                        if k not in st: st[k] = init(p) if callable(init) else init
+
+
+def _model_param_state(opt, cb, groups: list) -> None:
+    """Before a whole-model callback with per-param state runs, every param it will see has its full state (as
+    `init_state` creates it: training on is exactly as without it), so its buffers exist."""
+    from ..state.flags import split_flags
+    from ..state.named import initial_state
+    keys = model_param_state(cb)
+    if not keys: return
+    for g in groups:
+        for p in g['params']:
+            if p.grad is None: continue
+            st = opt.state[p]
+            if not split_flags(st)[0]: st.update(initial_state(opt, p, g))
+            for k, init in keys.items():
+                if k not in st: st[k] = init(p) if callable(init) else init
+
+
+def _run_model_cb(opt, cb, groups: list, snapshots: dict) -> dict:
+    """Run one whole-model callback over the params with a grad of `groups`; returns what it returned (checked)."""
+    _model_param_state(opt, cb, groups)
+    g0, name = groups[0], cb_name(cb)
+    declared, per_param = _declared(cb, 'state'), _declared(cb, 'param_state')
+    model_state = {k: g0[model_key(cb, k)] for k in declared}
+    bks = model_buckets(opt, groups)
+    params = [tl for tl, _ in bks]
+    pstate = {k: [type(tl)([s[model_key(cb, k)] for s in states]) for tl, states in bks] for k in per_param}
+    out = cb(params, groups=groups, **{**pstate, **model_state, **snapshots[id(g0)]})
+    out = dict(out) if isinstance(out, dict) else {}
+    allowed = set(declared) | set(getattr(unwrap(cb), 'transient', ())) | set(ENGINE_KEYS)
+    for k in out:
+        if k not in allowed:
+            raise ValueError(f"whole-model callback {name!r} returned {k!r}, which it does not declare: list it in its "
+                             f"`state` (kept, checkpointed) or `transient` (this step only)")
+    return out
+
+
+def _hypers(g, overrides: Mapping) -> dict:
+    h = Hypers(g).snapshot()
+    return {**h, **overrides[id(g)]} if id(g) in overrides else h
+
+
 def run_step(opt) -> None:
-    "Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend."
+    """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
+    callbacks (see the module docstring); then refresh `opt.step_stats`."""
     check_grads(opt)
+    plan = model_plan(opt)
+    if not (plan[0] or plan[1]):
+        snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
+        _run_buckets(opt, snapshots)
+        opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
+        return
+    init_model_state(opt, plan)
+    overrides: dict = {}
+    snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
+    stats: dict = {'skipped': False}
+    staged = []  # (group, {entry: value}): committed once no callback skips the step
+    for cb, groups in plan[0]:
+        out = _run_model_cb(opt, cb, groups, snapshots)
+        new = {model_key(cb, k): v for k, v in out.items() if k not in ENGINE_KEYS and k in _declared(cb, 'state')}
+        stats.update({k: v for k, v in out.items() if k not in ENGINE_KEYS})
+        if out.get('skip'):
+            groups[0].update(new)
+            stats.update(skipped=True, skipped_by=cb_name(cb))
+            break
+        staged.append((groups[0], new))
+        if out.get('hypers') is not None:
+            hs = list(out['hypers'])
+            if len(hs) != len(groups):
+                raise ValueError(f"whole-model callback {cb_name(cb)!r} returned hypers for {len(hs)} groups, not {len(groups)}")
+            for g, h in zip(groups, hs): overrides.setdefault(id(g), {}).update(h)
+            snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
+    else:
+        for g, new in staged: g.update(new)
+        _run_buckets(opt, snapshots)
+        for cb, groups in plan[1]:
+            out = _run_model_cb(opt, cb, groups, snapshots)
+            if out.get('skip') or out.get('hypers') is not None:
+                raise ValueError(f"whole-model callback {cb_name(cb)!r} runs after the per-param chain: it cannot skip "
+                                 "the step or set its hypers (list it at the start of the chain)")
+            groups[0].update({model_key(cb, k): v for k, v in out.items() if k in _declared(cb, 'state')})
+            stats.update(out)
+    for cb, groups in [*plan[0], *plan[1]]:
+        for k in _declared(cb, 'state'): stats[k] = groups[0][model_key(cb, k)]
+    opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], **stats}
+
+
+def _run_buckets(opt, snapshots: Mapping) -> None:
+    "The per-param chains over every param with a grad, with each group's hypers for this step."
     kind = opt.backend_options.kind
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         for g in opt.param_groups:
             ps = [p for p in g['params'] if p.grad is not None]
-            if ps: loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), Hypers(g).snapshot())
+            if ps: loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
         return
-    run, snapshots = RUNNERS[kind], {}
-    for b in bucketing.buckets(opt):
-        hyper = snapshots.get(id(b.group))
-        if hyper is None: hyper = snapshots[id(b.group)] = Hypers(b.group).snapshot()
-        run(opt, b, hyper)
+    run = RUNNERS[kind]
+    for b in bucketing.buckets(opt): run(opt, b, snapshots[id(b.group)])

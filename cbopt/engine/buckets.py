@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..chain import param_chain
 from ..tensorlist import TensorList
 
-__all__ = ['Bucket', 'buckets', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks']
+__all__ = ['Bucket', 'buckets', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
 
 
 class Bucket(NamedTuple):
@@ -23,7 +24,9 @@ class Bucket(NamedTuple):
     states: list  # each param's own `opt.state[p]` dict
 
     @property
-    def cbs(self) -> list: return self.group['cbs']
+    def cbs(self) -> list:
+        "The group's per-param callbacks (its whole-model ones run once per step, around the buckets: see `engine`)."
+        return param_chain(self.group['cbs'])
 
     @property
     def layout(self) -> tuple:
@@ -93,3 +96,22 @@ def cache_chunks(b: Bucket, chunk_bytes: int) -> list[Bucket]:
         size += n
     chunks.append(Bucket(b.group, b.params[start:], b.states[start:]))
     return chunks
+
+
+def model_buckets(opt, groups: list) -> list[tuple[TensorList, list]]:
+    """The params with a grad of `groups`, for a whole-model callback: one `TensorList` (with `.grad`) per (device,
+    param dtype, grad dtype), in the order the params are listed (torch's `clip_grad_norm_` groups its grads the same
+    way), each with the params' own state dicts."""
+    out: dict = {}
+    for g in groups:
+        for p in g['params']:
+            if p.grad is None: continue
+            ps, states = out.setdefault((p.device, p.dtype, p.grad.dtype), ([], []))
+            ps.append(p)
+            states.append(opt.state[p])
+    res = []
+    for ps, states in out.values():
+        tl = TensorList(ps)
+        tl.grad = TensorList([p.grad for p in ps])
+        res.append((tl, states))
+    return res

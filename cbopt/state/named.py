@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..chain import chain_name, init_chain_state, is_declared, run_chain, transient_keys
-from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper
+from ..chain import chain_name, init_chain_state, is_declared, model_param_state, param_chain, run_chain, transient_keys
+from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
 from .formats import TORCH_OPTIONAL_STATE, to_named
 
@@ -30,12 +30,14 @@ def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
     copy of `p`."""
     cbs = group['cbs']
     if is_declared(cbs): return init_chain_state(cbs, p)
+    model = init_chain_state([cb for cb in cbs if cb not in param_chain(cbs)], p)  # whole-model callbacks declare theirs
+    cbs = param_chain(cbs)
     with torch.no_grad():
         q = p.detach().clone()
         q.grad = torch.zeros_like(q)
         st = split_flags(opt.state.get(p, {}))[1]
         run_chain(cbs, q, st, Hypers(group))
-    return {k: v for k, v in split_flags(st)[0].items() if k not in transient_keys(cbs)}
+    return {**{k: v for k, v in split_flags(st)[0].items() if k not in transient_keys(cbs)}, **model}
 
 
 def named_state_dict(opt: Optimizer) -> dict:
@@ -47,8 +49,8 @@ def named_state_dict(opt: Optimizer) -> dict:
     for name, p in zip(opt.param_names, opt.params):
         s = opt.state.get(p)
         if s: state[name] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _plain(v) for k, v in s.items()}
-    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, 'chain': chain_name(g['cbs']), 'params': list(g['param_names'])}
-              for g in opt.param_groups]
+    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _plain(v) for k, v in model_entries(g).items()},
+               'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
 
 
@@ -90,8 +92,10 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
     Returns `({param: algorithm state}, [hypers per group])`; raises an error naming the param on any mismatch.
     A param with state here but none in `sd` raises, unless `fresh_ok` and `sd` holds no state at all (a checkpoint
     of a fresh optimizer, as fastai's `lr_find` makes): then every param restarts."""
-    sd, origin = to_named(opt, sd)
+    raw, (sd, origin) = sd, to_named(opt, sd)
     groups = list(sd['param_groups'])
+    if origin == 'torch':  # torch's layout (DCP turns cbopt's names into ids) keeps group entries: whole-model state too
+        groups = [{**g, **model_entries(r)} for g, r in zip(groups, raw['param_groups'])]
     _check_groups(opt, groups)
     their_state = sd['state']
     names = set(opt.param_names)
@@ -122,8 +126,24 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                 raise ValueError(f"param {name!r} has state keys {sorted(ck)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
             new_state[p] = {k: _load_value(name, k, ck[k], expected[k]) for k in expected}
-    hypers = [{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERS} for g in groups]
+    hypers = [{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERS and not is_model_entry(k)} for g in groups]
     for i, h in enumerate(hypers):
         for k, v in h.items():
             if k != 'initial_lr': check_hyper(k, v, i)  # a corrupt checkpoint must not load a NaN lr
+    strict = origin == 'cbopt' or any(model_entries(g) for g in groups)
+    for i, (h, g, mine) in enumerate(zip(hypers, groups, opt.param_groups)):
+        ours = model_entries(mine)
+        if strict: h.update(_model_entries(i, model_entries(g), ours))
     return new_state, hypers
+
+
+def _model_entries(i: int, theirs: Mapping, ours: Mapping) -> dict:
+    """Whole-model callbacks' state of group `i` from a checkpoint: exactly the entries this optimizer keeps (an
+    unknown or missing one is an error naming it), each a value of the same kind. (A torch.optim or fastai checkpoint
+    with no such entries at all leaves ours as they are: those optimizers have none.)"""
+    for k in theirs:
+        if k not in ours: raise KeyError(f"unknown whole-model callback state {k!r} in the state_dict's group {i}: "
+                                         f"this optimizer keeps {sorted(ours) or 'none'} there")
+    for k in ours:
+        if k not in theirs: raise KeyError(f"whole-model callback state {k!r} (group {i}) is missing from the state_dict")
+    return {k: _load_value(f'group {i}', k, theirs[k], ours[k]) for k in ours}

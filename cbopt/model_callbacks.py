@@ -1,0 +1,113 @@
+"""Whole-model callbacks: run once per step over every param with a grad, before (or after) the per-param chain.
+
+A whole-model callback `cb(params, groups, **{**param_state, **model_state, **hypers}) -> dict | None` gets the params
+with a grad as a list of `TensorList`s (one per device and dtype, each with `.grad`), so it reduces with foreach kernels
+(`torch.linalg.vector_norm(tl)` is one `torch._foreach_norm`) and one `torch.stack`, never a Python loop over params.
+It declares `scope = 'model'`, its hypers (`defaults`), its own state (`state`: numbers, kept in the group entries as
+`'<name>.<key>'`), per-param buffers (`param_state`) and what it returns for one step only (`transient`). Returning
+`skip=True` ends the step with nothing else changed; `hypers=[...]` sets its groups' hypers for this step. See
+`cbopt.chain` and `cbopt.engine` for the contract, `cbopt.wrappers` for torchrec's and fastai-style wrappers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .chain import zeros
+from .warmup import WarmupSchedule
+
+__all__ = ['clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
+
+
+def _grads(params: list) -> list:
+    "Every bucket's grads, as one flat list of tensors (for the final reduction only)."
+    return [g for tl in params for g in tl.grad]
+
+
+def _torch_order(params: list) -> list:
+    """The buckets in the order torch's `clip_grad_norm_` stacks its (device, dtype) groups (not the order they come
+    in): the sum of the norms is then the same, bit for bit."""
+    if len(params) < 2: return params
+    try: from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+    except ImportError: return params
+    keys = list(_group_tensors_by_device_and_dtype([[tl.grad[0] for tl in params]]))
+    rank = {k: i for i, k in enumerate(keys)}
+    return sorted(params, key=lambda tl: rank.get((tl.grad[0].device, tl.grad[0].dtype), len(rank)))
+
+
+def total_grad_norm(params: list, norm_type: float) -> torch.Tensor:
+    """The norm of all grads as one vector, as `torch.nn.utils.clip_grad_norm_` computes it: one foreach norm per
+    bucket, then the norm of their stack (so the same numbers, bit for bit)."""
+    if not params: return torch.tensor(0.0)
+    norms = [n for tl in _torch_order(params) for n in torch.linalg.vector_norm(tl.grad, norm_type)]
+    first = params[0][0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+
+
+def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):
+    """Scale all grads by `min(1, max_norm / (total_norm + 1e-6))` (torch's `clip_grad_norm_`, and torchrec's NORM);
+    the pre-clip `grad_norm` is reported (`opt.step_stats['grad_norm']`, `opt.last_total_grad_norm`)."""
+    norm_type = float(norm_type)
+    total = total_grad_norm(params, norm_type)
+    if params:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for tl in params: tl.grad.mul_(coef.to(tl[0].device))
+    return {'grad_norm': total}
+clip_grad_norm.scope = 'model'
+clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0)  # fastai's GradientClip defaults
+clip_grad_norm.state = {}
+clip_grad_norm.transient = ('grad_norm',)
+
+
+def clip_grad_value(params, clip_value, **kwargs):
+    "Clamp every grad element to `[-clip_value, clip_value]` (torch's `clip_grad_value_`, torchrec's VALUE)."
+    for tl in params: tl.grad.clamp_(-clip_value, clip_value)
+clip_grad_value.scope = 'model'
+clip_grad_value.defaults = dict(clip_value=1.0)
+clip_grad_value.state = {}
+
+
+def skip_nonfinite(params, max_consecutive=None, skipped_total=0, skipped_consecutive=0, **kwargs):
+    """Skip a step whose grads hold an inf or NaN: no param and no state changes, but these counts. More than
+    `max_consecutive` skips in a row (None: no limit) raise instead: training has diverged."""
+    maxes = [n for tl in params for n in torch.linalg.vector_norm(tl.grad, math.inf)]  # the max |g|: inf or NaN if any is
+    finite = not maxes or bool(torch.isfinite(torch.stack([m.to(maxes[0].device) for m in maxes])).all())
+    if finite: return {'skipped_consecutive': 0}
+    if max_consecutive is not None and skipped_consecutive >= max_consecutive:
+        raise FloatingPointError(f"skip_nonfinite: the grads held an inf or NaN at {skipped_consecutive + 1} steps in a "
+                                 f"row, more than max_consecutive={max_consecutive}: training has diverged (lower the "
+                                 f"lr, clip the grads, or check the loss)")
+    return {'skip': True, 'skipped_total': skipped_total + 1, 'skipped_consecutive': skipped_consecutive + 1}
+skip_nonfinite.scope = 'model'
+skip_nonfinite.defaults = dict(max_consecutive=None)
+skip_nonfinite.state = dict(skipped_total=0, skipped_consecutive=0)
+
+
+def accumulate_grads(params, every, grad_sum, micro_step=0, **kwargs):
+    """Step once every `every` calls, with the mean of their grads (optax's MultiSteps): the other calls add the grads
+    to a per-param sum and skip; the last one replaces each grad by `(sum + grad) / every` and resets the sum."""
+    n = micro_step + 1
+    if n < every:
+        for tl, s in zip(params, grad_sum): s.add_(tl.grad)
+        return {'skip': True, 'micro_step': n}
+    if every > 1:
+        for tl, s in zip(params, grad_sum):
+            tl.grad.add_(s).div_(every)
+            s.zero_()
+    return {'micro_step': 0}
+accumulate_grads.scope = 'model'
+accumulate_grads.defaults = dict(every=1)
+accumulate_grads.state = dict(micro_step=0)
+accumulate_grads.param_state = dict(grad_sum=zeros)
+
+
+def warmup(params, groups, schedule: WarmupSchedule, lr_param='lr', iter=0, **kwargs):
+    """torchrec's warmup: the step counted `iter` (0 first) runs with each group's `lr_param` times the schedule's
+    multiplier at `iter`. The group's own value stays the base (what schedulers and fastai set), so they compose
+    multiplicatively; the lr used is in `opt.step_stats['lr']`."""
+    m = schedule.multiplier(iter)
+    return {'hypers': [{lr_param: g[lr_param] * m} for g in groups], 'iter': iter + 1, 'lr_multiplier': m}
+warmup.scope = 'model'
+warmup.state = dict(iter=0)
+warmup.transient = ('lr_multiplier',)
