@@ -231,8 +231,10 @@ def test_buckets_split_on_python_state_values():
 
 # -- state interchange -------------------------------------------------------------------------------------------
 def interchange_backends(c: Case) -> list:
-    "foreach for every case; the fused runner too where the quick suite compiles the chain or a torch kernel runs it."
-    return ['foreach'] + (['fused'] if c.has_torch_kernel or 'aot_eager' in c.compiles or SLOW else [])
+    """foreach for every case; the fused runner for torch's kernel and for the chain the quick suite compiles both ways
+    (the compiled runner writes every chain's state the same way, and each compile costs seconds); all under SLOW."""
+    fused = c.has_torch_kernel or {'aot_eager', 'inductor'} <= set(c.compiles) or SLOW
+    return ['foreach'] + (['fused'] if fused else [])
 
 
 @pytest.mark.parametrize('c,first', [(c, be) for c in CASES for be in interchange_backends(c)],

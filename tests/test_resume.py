@@ -59,8 +59,12 @@ TORCH_PARAMS = {
 }
 
 
-@pytest.mark.parametrize('form', TORCH_PARAMS)
-@pytest.mark.parametrize('c', WITH_TORCH, ids=str)
+# every case with a torch reference, its params given with names; how torch's ids map to names, on two of them
+TORCH_LOADS = [(c, 'param_names') for c in WITH_TORCH] + \
+    [(case(n), form) for n in ('adam', 'sgd-mom-l2') for form in TORCH_PARAMS if form != 'param_names']
+
+
+@pytest.mark.parametrize('c,form', TORCH_LOADS, ids=[f'{c}-{form}' for c, form in TORCH_LOADS])
 def test_torch_state_continues_in_cbopt(c: Case, form):
     """The README: `load_state_dict` reads torch.optim state_dicts of the same algorithm, for every algorithm cbopt
     has in torch.optim. 20 steps of torch.optim, its state_dict into cbopt (named by FQN), 20 more steps: the same
