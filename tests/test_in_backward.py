@@ -162,6 +162,8 @@ def test_refuses_whole_model_callbacks():
     assert len(ok.param_groups) == 1
     ok.cbs.append(clip_all)  # fastai-style, after building: refused when a hook would run it
     with pytest.raises(ValueError, match=r"'clip_all' \(group 0\) need every grad"): set_grads(ok_model, 0)
+    clipped = cbopt.Optimizer(make_model().named_parameters(), [cbopt.clip_grad_norm, cbopt.sgd_step], lr=0.1, max_norm=1.)
+    with pytest.raises(ValueError, match=r"'clip_grad_norm' \(group 0\) need every grad at once"): cbopt.InBackward(clipped)
     with pytest.raises(TypeError, match="wraps a cbopt optimizer"): cbopt.InBackward(torch.optim.SGD(model.parameters()))
     with pytest.raises(TypeError, match="already steps in backward"): cbopt.InBackward(cbopt.InBackward(adam(make_model())))
 
