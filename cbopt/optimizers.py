@@ -91,6 +91,8 @@ def lookahead(cbs: list) -> list:
 def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     "`opt` with Lookahead: every `k` steps its params move back `1-alpha` of the way to slow weights (same backend)."
     if not 0 <= alpha <= 1: raise ValueError(f"Invalid alpha value: {alpha} (expected 0 <= alpha <= 1: Lookahead's step towards the fast weights)")
+    if getattr(opt, 'in_backward', False):  # its hooks would keep stepping the params: twice per step
+        raise TypeError("Lookahead(InBackward(opt)) would step every param twice: wrap the other way, InBackward(Lookahead(opt))")
     groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i],
                'cbs': None if g['cbs'] is opt.cbs else lookahead(g['cbs']),
                'k': k, 'alpha': alpha}  # (name, param): names kept

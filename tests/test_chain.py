@@ -268,3 +268,8 @@ def test_import_graph_has_no_cycle():
     cycles = [(a, b) for a in graph for b in graph[a] if reaches(b, a)]
     assert not cycles, cycles
     assert not graph['cbopt.chain'], graph['cbopt.chain']  # the protocol is a leaf
+
+
+def test_lookahead_refuses_an_in_backward_optimizer():
+    m = make_model()
+    with pytest.raises(TypeError, match=r"InBackward\(Lookahead\(opt\)\)"): cbopt.Lookahead(cbopt.InBackward(cbopt.SGD(m.parameters())))
