@@ -17,6 +17,7 @@ from .tensorlist import BucketError, TensorList
 from .model_callbacks import *
 from .model_callbacks import __all__ as _model_callbacks_all
 from .warmup import GradientClipping, WarmupPolicy, WarmupStage
+from .wrappers import Accumulate, GradientClippingOptimizer, SkipNonFinite, WarmupOptimizer
 from .combined import CombinedOptimizer
 from .in_backward import InBackward
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
@@ -24,4 +25,5 @@ from .integrations import fastai as _fastai_integration  # registers its hooks; 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
            *_torch_callbacks_all, *_torch_optimizers_all, *_model_callbacks_all,
-           'GradientClipping', 'WarmupPolicy', 'WarmupStage']
+           'GradientClipping', 'WarmupPolicy', 'WarmupStage', 'GradientClippingOptimizer', 'WarmupOptimizer',
+           'SkipNonFinite', 'Accumulate']
