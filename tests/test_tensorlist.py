@@ -344,6 +344,15 @@ def test_clone(dtype: torch.dtype) -> None:
     assert not any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(x, y))
 
 
+def test_clone_memory_format() -> None:
+    "clone's `memory_format` reaches every tensor, as Tensor.clone's does: a transposed tensor cloned contiguous."
+    t = torch.randn(3, 4).t()
+    for fmt in (torch.contiguous_format, torch.preserve_format):
+        got, ref = TensorList([t, t]).clone(memory_format=fmt), t.clone(memory_format=fmt)
+        assert all(g.stride() == ref.stride() for g in got), (fmt, got[0].stride(), ref.stride())
+    assert t.clone(memory_format=torch.contiguous_format).stride() != t.clone().stride()  # the two differ
+
+
 def test_detach() -> None:
     "The same storage without the graph, as `t.detach()`."
     x = TensorList([t.requires_grad_() for t in make()])
@@ -556,6 +565,14 @@ def test_real_errors_are_not_bucket_errors() -> None:
         assert not isinstance(e.value, BucketError)
 
 
+def test_attributes_set_on_the_params_raise_bucket_error() -> None:
+    "An attribute the params carry themselves (set on the tensor, not Tensor's) has a value per param too."
+    x = make()
+    for t in x: t.lr_mult = 2.0
+    with pytest.raises(BucketError): x.lr_mult
+    assert not hasattr(torch.Tensor, 'lr_mult')
+
+
 def test_unknown_attribute_is_a_plain_attribute_error() -> None:
     "A name tensors do not have either is a bug in the callback, not a bucket limit: no BucketError."
     with pytest.raises(AttributeError) as e: make().not_a_tensor_attribute
@@ -570,6 +587,7 @@ def test_methods_run_per_tensor() -> None:
     run(x, lambda tl: tl.square(), [t.square() for t in x], inplace=False)
     run(x, lambda tl: tl.mul(2).sum(), [t.mul(2).sum() for t in x], inplace=False)
     run(x, lambda tl: tl.to(torch.float64), [t.to(torch.float64) for t in x], inplace=False)
+    run(x, lambda tl: tl.to(dtype=torch.float64), [t.to(dtype=torch.float64) for t in x], inplace=False)  # keywords too
 
 
 @pytest.mark.parametrize('convert', [float, int, complex, math.sqrt, math.floor, operator.index, range, bool,
@@ -611,6 +629,29 @@ def test_error_messages() -> None:
                         (lambda: float(x), BucketError, "a bucket has no Python number value (float(), int(), math.*)"),
                         (lambda: x.norm(out=x), TypeError, "TensorList.norm() takes no 'out'"),
                         (lambda: x.clamp(), RuntimeError, str(torch_err.value)),
-                        (lambda: x.clamp_(), RuntimeError, str(torch_err.value))):
+                        (lambda: x.clamp_(), RuntimeError, str(torch_err.value)),
+                        (lambda: x.add('a'), TypeError, "TensorList.add() cannot take a str"),
+                        (lambda: x.mul_('a'), TypeError, "TensorList.mul_() cannot take a str"),
+                        (lambda: x.lerp('a', 0.5), TypeError, "expected a tensor or a TensorList, got str"),
+                        (lambda: x.item(), BucketError,
+                         "an op gave float values per param, which a bucket cannot hold as one value"),
+                        # a property's AttributeError sends Python to __getattr__, whose message is the one seen
+                        (lambda: TensorList().dtype, BucketError,
+                         "tensor attribute 'dtype' has a value per param, none for a whole bucket"),
+                        (lambda: TensorList([torch.ones(1), torch.ones(1, dtype=torch.float64)]).dtype, BucketError,
+                         "tensor attribute 'dtype' has a value per param, none for a whole bucket"),
+                        (lambda: x.shape, BucketError,
+                         "tensor attribute 'shape' has a value per param, none for a whole bucket"),
+                        (lambda: x.not_a_tensor_attribute, AttributeError,
+                         "'TensorList' object has no attribute 'not_a_tensor_attribute', nor has a tensor"),
+                        (lambda: x.__array_struct__, AttributeError,
+                         "'TensorList' object has no attribute '__array_struct__'"),
+                        (lambda: tensorlist._zip_call(torch.add, ([[x]], 1), {}), BucketError,
+                         "add got TensorLists nested deeper than one list")):
         with pytest.raises(err) as e: f()
         assert str(e.value) == msg
+
+
+def test_repr() -> None:
+    "A TensorList shows as one, with its tensors as a list shows them."
+    assert repr(TensorList([torch.tensor(1.), torch.tensor([2., 3.])])) == "TensorList([tensor(1.), tensor([2., 3.])])"
