@@ -2,8 +2,8 @@
 
 A case is a cbopt builder, the torch.optim and fastai references built with the same hypers (where the algorithm
 exists there), and what the tests may expect of it. Adding a case here puts it through every backend test
-(test_backends), both parity tests (test_parity_torch, test_parity_fastai), the resume tests (test_resume) and the
-torch state_dict test (test_state_dict). Hypers are chosen to make differences visible: nonzero wd, momentums away
+(test_backends), both parity tests (test_parity_torch, test_parity_fastai) and the resume tests (test_resume: a
+bit-exact resume, and torch.optim's and fastai's state_dicts continuing in cbopt). Hypers are chosen to make differences visible: nonzero wd, momentums away
 from their defaults, `trust_coeff=1` so that LARC's clip bites.
 
 Tolerances are relative to each tensor's own scale (`conftest.assert_rel_close`). An absolute floor is given only
