@@ -71,7 +71,9 @@ RUNNERS: dict[str, Callable] = {'loop': loop_bucket, 'foreach': foreach_bucket, 
 def check_grads(opt) -> None:
     """Before anything changes, refuse what no chain can step: a grad of another shape than its param, a grad that
     is not a floating-point tensor of the param's kind, a sparse grad (no cbopt callback supports one, as torch's Adam
-    does not). The error names the param, and nothing is stepped: a step is all or nothing."""
+    does not). The error names the param, and nothing is stepped: a step is all or nothing. Without whole-model
+    callbacks it is called only when bucketing (which reads every grad anyway) meets an odd grad, so that a normal step
+    pays for one more test per param, not another pass."""
     for g in opt.param_groups:
         for name, p in zip(g['param_names'], g['params']):
             grad = p.grad
@@ -161,13 +163,13 @@ def _hypers(g, overrides: Mapping) -> dict:
 def run_step(opt) -> None:
     """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
     callbacks (see the module docstring); then refresh `opt.step_stats`."""
-    check_grads(opt)
     plan = model_plan(opt)
     if not (plan[0] or plan[1]):
         snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
-        _run_buckets(opt, snapshots)
+        _run_buckets(opt, snapshots, check=True)
         opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
         return
+    check_grads(opt)  # before the whole-model callbacks change anything
     init_model_state(opt, plan)
     overrides: dict = {}
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
@@ -203,13 +205,14 @@ def run_step(opt) -> None:
     opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], **stats}
 
 
-def _run_buckets(opt, snapshots: Mapping) -> None:
-    "The per-param chains over every param with a grad, with each group's hypers for this step."
+def _run_buckets(opt, snapshots: Mapping, check: bool = False) -> None:
+    "The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads)."
     kind = opt.backend_options.kind
     if kind == 'loop':  # the reference needs no bucketing: one call per group
-        for g in opt.param_groups:
-            ps = [p for p in g['params'] if p.grad is not None]
+        todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
+        if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
+        for g, ps in todo:
             if ps: loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
         return
     run = RUNNERS[kind]
-    for b in bucketing.buckets(opt): run(opt, b, snapshots[id(b.group)])
+    for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None): run(opt, b, snapshots[id(b.group)])

@@ -7,6 +7,7 @@ the backend, and a checkpoint saved under one resumes under any other.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from ..chain import param_chain
 from ..tensorlist import TensorList
 
-__all__ = ['Bucket', 'buckets', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
+__all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
 
 
 class Bucket(NamedTuple):
@@ -40,12 +41,20 @@ def _state_key(st: dict) -> tuple:
     return tuple([k if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items()])
 
 
-def buckets(opt) -> list[Bucket]:
-    "The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys)."
+def grad_is_odd(p) -> bool:
+    "A cheap test, per step and param, for a grad the engine must look at closely (sparse, another shape or dtype)."
+    g = p.grad
+    return g.layout is not torch.strided or g.dtype is not p.dtype or g.shape != p.shape
+
+
+def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
+    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys).
+    `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
     out, state = {}, opt.state
     for gi, g in enumerate(opt.param_groups):
         for p in g['params']:
             if p.grad is None: continue
+            if on_odd_grad is not None and grad_is_odd(p): on_odd_grad(opt)
             st = state[p]
             key = (gi, p.device, p.dtype, _state_key(st))
             try: b = out.get(key)
