@@ -6,6 +6,7 @@ foreach is checked bit for bit over 100 steps (with the default and with tiny ca
 CPU, so the compiled chain is checked for the cases that name a compiler in `Case.compiles`: with torch.compile's
 `aot_eager` backend (the same dynamo graph, without inductor's codegen) over 30 steps, or through inductor over 12
 steps with changing lrs; `CBOPT_SLOW=1` runs every case both ways."""
+import functools
 import os
 import time
 import warnings
@@ -72,6 +73,7 @@ def test_cache_chunks_split_cpu_buckets():
     assert [p for c in chunks for p in c.params] == [p for b in bs for p in b.params]  # every param once, in order
 
 
+@functools.cache
 def torch_fused_drift(c: Case, steps: int = STEPS, lr: float = 3e-2) -> float:
     "How far torch's own fused kernel drifts from its for-loop on the same problem, per tensor: the rounding budget."
     a, b = make_model(), make_model()
@@ -139,6 +141,7 @@ def test_tensor_scope_flag(c):
 
 
 # -- bucketing edge cases ----------------------------------------------------------------------------------------
+@functools.cache  # the loop's run is every backend's reference: computed once per case (nothing mutates it after)
 def edge_case_run(c: Case, backend: str):
     "Params without a grad on some steps, a frozen group but for one force_train weight, do_wd=False on biases, an empty group."
     torch.manual_seed(0)
@@ -175,19 +178,22 @@ def test_edge_cases(c, backend):
 @pytest.mark.parametrize('c', CASES, ids=str)
 def test_mixed_dtypes(c, backend):
     "fp32, bf16 and fp16 params in one group: one bucket each; fp32 bit for bit, half types within a few of their ulps."
-    def run(be):
-        torch.manual_seed(0)
-        ps = [torch.randn(5, 3, dtype=dt, requires_grad=True) for dt in (torch.float32, torch.bfloat16, torch.float16)]
-        opt = c.build(ps, 1e-2, be)
-        for i in range(10):
-            for j, p in enumerate(ps): p.grad = torch.sin(p.detach().float() * (i + j + 1)).to(p.dtype)
-            opt.step()
-        return ps
     exact = backend == 'foreach' and c.bit_exact_foreach or backend == 'auto' and not c.has_torch_kernel
-    for a, b in zip(run(backend), run('loop')):
+    for a, b in zip(mixed_dtypes_run(c, backend), mixed_dtypes_run(c, 'loop')):
         tol = (0 if exact else 1e-6) if a.dtype == torch.float32 else 8 * torch.finfo(a.dtype).eps
         tol *= b.abs().max().item()
         assert (a.float() - b.float()).abs().max().item() <= tol, a.dtype
+
+
+@functools.cache
+def mixed_dtypes_run(c: Case, backend: str) -> list:
+    torch.manual_seed(0)
+    ps = [torch.randn(5, 3, dtype=dt, requires_grad=True) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    opt = c.build(ps, 1e-2, backend)
+    for i in range(10):
+        for j, p in enumerate(ps): p.grad = torch.sin(p.detach().float() * (i + j + 1)).to(p.dtype)
+        opt.step()
+    return ps
 
 
 def test_buckets_split_what_must_differ():
