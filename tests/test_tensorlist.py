@@ -524,6 +524,20 @@ def test_torch_function_with_tuple_results() -> None:
     assert type(parts) is tuple and len(parts) == 2 and all(type(p) is TensorList for p in parts)
 
 
+def test_tuple_results_of_one_part_and_of_one_param() -> None:
+    """Per-param tuples of one part (`split` into chunks as long as the tensors) are a tuple of one bucket, and a
+    bucket of one param gives tuples too (of torch's type: sort's values/indices)."""
+    x = make(shapes=[(2,), (4,)])
+    got = x.split(4)
+    assert type(got) is tuple and len(got) == 1
+    check(got[0], [t.split(4)[0] for t in x])
+    one = make(shapes=[(5,)])
+    got, ref = one.sort(), one[0].sort()
+    assert type(got) is type(ref)
+    check(got.values, [ref.values])
+    check(got.indices, [ref.indices])
+
+
 def test_torch_function_with_buckets_in_a_list() -> None:
     "`torch.stack([a, b])`, buckets in a list argument: one call per param."
     x, y = make(), make(seed=1)
