@@ -315,3 +315,27 @@ def test_resume_mid_accumulation_is_exact(backend, stop):
     for i in range(stop, total):
         grads(m2, i); opt2.step()
     assert_bitwise(snapshot(opt2, m2), snapshot(ref_opt, ref))
+
+
+def test_survives_torch_distributed_checkpoint_helpers():
+    """DCP's get/set_optimizer_state_dict keep only param_groups entries and per-param state (and turn cbopt's names
+    into ids): the whole-model state and the accumulation buffers come back exactly, mid-cycle."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    def make(m): return cbopt.Optimizer(m.named_parameters(), adam_chain_with(skip_nonfinite, accumulate_grads), every=3,
+                                        lr=0.01)
+    m = model()
+    opt = make(m)
+    for i in range(5):
+        grads(m, i); opt.step()
+    grads(m, 9); m[0].bias.grad[0] = math.nan; opt.step()
+    sd = get_optimizer_state_dict(m, opt)
+    m2 = model(1)
+    m2.load_state_dict(m.state_dict())
+    opt2 = make(m2)
+    set_optimizer_state_dict(m2, opt2, sd)
+    assert opt2.param_groups[0]['accumulate_grads.micro_step'] == 2
+    assert opt2.param_groups[0]['skip_nonfinite.skipped_total'] == 1
+    for i in range(6, 9):
+        grads(m, i); opt.step()
+        grads(m2, i); opt2.step()
+    assert_bitwise(snapshot(opt2, m2), snapshot(opt, m))
