@@ -41,8 +41,6 @@ def test_prebuilt_have_fastais_names_hypers_and_defaults(name):
             assert (ours.hypers[0]['k'], ours.hypers[0]['alpha']) == (theirs.k, theirs.alpha)
 
 
-@pytest.mark.xfail(strict=True, reason="the README's Demo and Benchmark sections still name cbopt/demo.py and "
-                   "cbopt/bench.py, which moved to cbopt/cli/ in the restructure")
 def test_files_the_readme_names_exist():
     "Every `cbopt/...py` path the README names is a file of the package."
     named = set(re.findall(r"`(cbopt/[\w/]+\.py)`", README.read_text()))
