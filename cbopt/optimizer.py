@@ -42,9 +42,9 @@ def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
     reads = set(STANDARD_HYPERS).union(*(chain_reads(c) for c in chains))
     for k in names:
         if k in reads or k in NOT_HYPERS or k in ALIASES or is_model_entry(k): continue
+        close = difflib.get_close_matches(k, sorted(reads), n=2)
         hint = (f"cbopt's name for torch's {k!r} is {TORCH_NAMES[k]}" if k in TORCH_NAMES else
-                f"did you mean {' or '.join(map(repr, difflib.get_close_matches(k, sorted(reads), n=2)))}?"
-                if difflib.get_close_matches(k, sorted(reads), n=2) else f"the callbacks read {sorted(reads)}")
+                f"did you mean {' or '.join(map(repr, close))}?" if close else f"the callbacks read {sorted(reads)}")
         raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 
 
