@@ -13,11 +13,11 @@ from fastcore.foundation import L
 from . import engine
 from .chain import cb_name, chain_defaults, chain_name, chain_reads, check_chain
 from .engine import Backend, as_backend
-from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, is_model_entry
+from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, is_model_entry, model_entries
 from .params import check_params, named_groups
 from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
 
-__all__ = ['Optimizer', 'on_create', 'load_policies']
+__all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
 
 # Neutral hooks for integrations (`cbopt.integrations`): the core never learns who its caller is.
 on_create: list[Callable[[Optimizer], None]] = []       # called with each new optimizer (may name its params)
@@ -247,3 +247,18 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         cbs = ', '.join(cb_name(cb) for cb in self.cbs)
         return f"{type(self).__name__}([{cbs}], {len(self.param_groups)} groups, {len(self.params)} params)"
+
+
+def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Optimizer:
+    """A new Optimizer over `opt`'s params, names, groups, hypers, backend, state, whole-model state and freezing,
+    whose chains are `transform(chain)`, with `hypers` set in every group: how wrappers (`Lookahead`, torchrec's
+    clipping and warmup, `Accumulate`...) are built. `opt`'s per-param state dicts are shared, not copied."""
+    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i], **hypers,  # (name, param): names kept
+               'cbs': None if g['cbs'] is opt.cbs else transform(list(g['cbs']))} for i, g in enumerate(opt.param_groups)]
+    res = Optimizer(groups, transform(list(opt.cbs)), backend=opt.backend_options, **{**opt.defaults, **hypers})
+    for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state
+    for p in opt.params:
+        if p in opt.state: res.state[p] = opt.state[p]
+    res.frozen_idx = opt.frozen_idx
+    engine.init_model_state(res)
+    return res

@@ -11,7 +11,7 @@ from .callbacks import (adam_step, average_grad, average_sqr_grad, dampened_grad
                         rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
 from .engine.kernels import fused_adamw
-from .optimizer import Optimizer
+from .optimizer import Optimizer, rechain
 
 __all__ = ['adam_chain', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
 
@@ -93,14 +93,7 @@ def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     if not 0 <= alpha <= 1: raise ValueError(f"Invalid alpha value: {alpha} (expected 0 <= alpha <= 1: Lookahead's step towards the fast weights)")
     if getattr(opt, 'in_backward', False):  # its hooks would keep stepping the params: twice per step
         raise TypeError("Lookahead(InBackward(opt)) would step every param twice: wrap the other way, InBackward(Lookahead(opt))")
-    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i],
-               'cbs': None if g['cbs'] is opt.cbs else lookahead(g['cbs']),
-               'k': k, 'alpha': alpha}  # (name, param): names kept
-              for i, g in enumerate(opt.param_groups)]
-    res = Optimizer(groups, lookahead(list(opt.cbs)), backend=opt.backend_options, **{**opt.defaults, 'k': k, 'alpha': alpha})
-    for p in opt.params:
-        if p in opt.state: res.state[p] = opt.state[p]
-    return res
+    return rechain(opt, lookahead, k=k, alpha=alpha)
 
 
 def ranger(params: Any, lr: float | slice = 1e-3, mom: float = 0.95, wd: float = 0.01, eps: float = 1e-6, k: int = 6,

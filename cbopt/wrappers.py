@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from .hypers import model_entries
 from .model_callbacks import accumulate_grads, clip_grad_norm, clip_grad_value, skip_nonfinite, warmup
-from .optimizer import Optimizer
+from .optimizer import Optimizer, rechain
 from .warmup import GradientClipping, WarmupSchedule, WarmupStage
 
 __all__ = ['wrap', 'GradientClippingOptimizer', 'WarmupOptimizer', 'SkipNonFinite', 'Accumulate']
@@ -25,16 +24,7 @@ __all__ = ['wrap', 'GradientClippingOptimizer', 'WarmupOptimizer', 'SkipNonFinit
 def wrap(opt: Optimizer, cb: Callable, **hypers) -> Optimizer:
     "`opt` with the whole-model callback `cb` first in every group's chain (its `hypers` set in every group)."
     if not isinstance(opt, Optimizer): raise TypeError(f"expected a cbopt.Optimizer, got {type(opt).__name__}")
-    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i], **hypers,
-               'cbs': None if g['cbs'] is opt.cbs else [cb, *g['cbs']]} for i, g in enumerate(opt.param_groups)]
-    res = Optimizer(groups, [cb, *opt.cbs], backend=opt.backend_options, **{**opt.defaults, **hypers})
-    for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state
-    for p in opt.params:
-        if p in opt.state: res.state[p] = opt.state[p]
-    res.frozen_idx = opt.frozen_idx
-    from .engine import init_model_state
-    init_model_state(res)
-    return res
+    return rechain(opt, lambda cbs: [cb, *cbs], **hypers)
 
 
 def GradientClippingOptimizer(optimizer: Optimizer, clipping: GradientClipping = GradientClipping.NONE,
