@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .chain import copy_of_param, zeros
 
-__all__ = ['weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'momentum_step',
+__all__ = ['weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
            'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',
            'qhadam_step', 'larc_layer_lr', 'larc_step', 'lamb_step', 'lookahead_keep', 'lookahead_step']
 
@@ -68,6 +68,15 @@ average_sqr_grad.defaults = dict(sqr_mom=0.99)
 average_sqr_grad.state = dict(sqr_avg=zeros)
 
 
+def amsgrad_max(p, sqr_avg, max_sqr_avg=None, **kwargs):
+    "AMSGrad: the running maximum of the second moment, `max_sqr_avg` (torch's `max_exp_avg_sq`), which the step then uses."
+    if max_sqr_avg is None: max_sqr_avg = torch.zeros_like(p.data)
+    max_sqr_avg.clamp_(min=sqr_avg)  # clamp(min=t) is torch.maximum, NaNs included
+    return {'max_sqr_avg': max_sqr_avg}
+amsgrad_max.state = dict(max_sqr_avg=zeros)
+amsgrad_max.torch_flag = 'amsgrad'  # in the chain exactly when torch's group has amsgrad=True
+
+
 def sgd_step(p, lr, **kwargs):
     "Plain SGD step: `p -= lr * grad`."
     p.data.add_(p.grad.data, alpha=-lr)
@@ -105,11 +114,12 @@ def debias(mom: float, damp: float, step: int) -> float:
     return damp * (1 - mom ** step) / (1 - mom)
 
 
-def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
-    "Adam step from the debiased moments."
+def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, max_sqr_avg=None, **kwargs):
+    "Adam step from the debiased moments (the second one's running maximum with AMSGrad: `amsgrad_max`)."
     debias1 = debias(mom, 1 - mom, step)
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
-    p.data.addcdiv_(grad_avg, (sqr_avg / debias2).sqrt_().add_(eps), value=-lr / debias1)
+    v = sqr_avg if max_sqr_avg is None else max_sqr_avg
+    p.data.addcdiv_(grad_avg, (v / debias2).sqrt_().add_(eps), value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
 adam_step.state = {}
 

@@ -14,6 +14,10 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
   shard of one; the default for a declared callback is `'element'`;
 - `cb.shared = ('grad_avg',)`: entries it creates that another callback of the chain also creates, on purpose.
   Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
+- `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
+  they are not the common ones (`cbopt.state.formats.TORCH_HYPER_KEYS`), so that torch's state_dict loads them;
+- `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
+  with another value is refused).
 
 A **whole-model callback** declares `cb.scope = 'model'`. It runs once per step over every param with a grad of the
 groups whose chain lists it: `cb(params, groups=..., **{**param_state, **model_state, **hypers}) -> dict | None`, where

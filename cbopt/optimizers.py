@@ -6,7 +6,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from .callbacks import (adam_step, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step, larc_layer_lr,
+from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step, larc_layer_lr,
                         larc_step, lookahead_keep, lookahead_step, momentum_step, nesterov_step, qhadam_step, radam_step,
                         rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
@@ -21,9 +21,11 @@ def _decay(decouple_wd: bool) -> list:
     return [weight_decay] if decouple_wd else [l2_reg]
 
 
-def adam_chain(step: Callable = adam_step, decouple_wd: bool = True) -> list:
-    "The callbacks of Adam and its relatives (RAdam, Lamb): decay, both moments, the step count, then `step`."
-    return _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, step]
+def adam_chain(step: Callable = adam_step, decouple_wd: bool = True, amsgrad: bool = False) -> list:
+    """The callbacks of Adam and its relatives (RAdam, Lamb): decay, both moments (with `amsgrad`, the running maximum
+    of the second), the step count, then `step`."""
+    return _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad,
+                                  *([amsgrad_max] if amsgrad else []), step_stat, step]
 
 
 register_kernel(adam_chain(), fused_adamw)  # cbopt's AdamW is exactly torch's fused AdamW
@@ -48,9 +50,10 @@ def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: flo
 
 
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-         wd: float = 0.01, decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
-    "Adam; with `decouple_wd=True` (the default) this is AdamW."
-    return Optimizer(params, adam_chain(adam_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+         wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, backend: str = "auto") -> Optimizer:
+    """Adam; with `decouple_wd=True` (the default) this is AdamW. `amsgrad=True` steps with the running maximum of the
+    second moment (torch's `amsgrad`; state `max_sqr_avg`, torch's `max_exp_avg_sq`)."""
+    return Optimizer(params, adam_chain(adam_step, decouple_wd, amsgrad), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
                      backend=backend)
 
 

@@ -94,6 +94,7 @@ def asgd_step(p, lr, lambd, alpha, t0, step, param_avg=None, **kwargs):
     return {'param_avg': param_avg}
 asgd_step.defaults = dict(lambd=1e-4, alpha=0.75, t0=1e6)
 asgd_step.state = dict(param_avg=zeros)
+asgd_step.torch_names = dict(alpha='alpha')  # torch's ASGD's alpha is this power, not RMSprop's alpha (sqr_mom)
 
 
 def rprop_step(p, lr, etaminus, etaplus, step_size_min, step_size_max, step, prev_grad=None, step_size=None, **kwargs):
@@ -110,3 +111,4 @@ def rprop_step(p, lr, etaminus, etaplus, step_size_min, step_size_max, step, pre
     return {'prev_grad': prev_grad, 'step_size': step_size}
 rprop_step.defaults = dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
 rprop_step.state = dict(prev_grad=zeros, step_size=zeros)
+rprop_step.torch_names = dict(etas=('etaminus', 'etaplus'), step_sizes=('step_size_min', 'step_size_max'))

@@ -172,6 +172,12 @@ CASES: list[Case] = [
     Case('lion', build=lambda ps, lr, backend='auto': cbopt.Optimizer(ps, [cbopt.weight_decay, lion], backend=backend,
                                                                       lr=tenth(lr), mom=0.9, sqr_mom=0.99, wd=0.1),
          compiles=('aot_eager', 'inductor'), inductor_graphs=2),  # one graph per shape (bias, weight)
+    # torch.optim's other algorithms (cbopt.torch_optimizers) and flags (tests/test_torch_catalogue.py has more configs)
+    Case('adam-amsgrad', build=lambda ps, lr, backend='auto': cbopt.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1,
+                                                                         amsgrad=True, backend=backend),
+         torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True,
+                                                **kw),
+         torch_parity=Tol(floor=ROUNDING_FLOOR), compiles=('aot_eager',)),
     Case('clip-adam', build=lambda ps, lr, backend='auto': cbopt.Optimizer(
         ps, [clip_by_norm, cbopt.average_grad, cbopt.average_sqr_grad, cbopt.step_stat, cbopt.adam_step],
         backend=backend, lr=lr, max_norm=0.05)),

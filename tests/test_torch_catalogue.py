@@ -50,8 +50,15 @@ CASES = {
     'rprop':             (Rprop, optim.Rprop),
     'rprop-etas':        (partial(Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01)),  # both clamps bite
                           partial(optim.Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01))),
+    'adam-amsgrad':      (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, decouple_wd=False,
+                                  amsgrad=True),
+                          partial(optim.Adam, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+    'adamw-amsgrad':     (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, amsgrad=True),
+                          partial(optim.AdamW, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
 }
-FUSED = ['adagrad-decay-l2', 'adadelta-rho-l2', 'adamax-betas-l2', 'nadamw', 'asgd-avg-l2', 'rprop-etas']  # one per algorithm
+STRUCTURE = ('decouple_wd', 'amsgrad', 'maximize')  # arguments that choose the chain; the others are hypers
+FUSED = ['adagrad-decay-l2', 'adadelta-rho-l2', 'adamax-betas-l2', 'nadamw', 'asgd-avg-l2', 'rprop-etas',
+         'adam-amsgrad']  # one per algorithm
 
 
 def cbopt_run(name: str, backend, steps: int = STEPS, model=None, start: int = 0):
@@ -155,6 +162,51 @@ def test_torch_state_dict_loads_and_continues(name):
     train(opt, model, 20, start=20)
     assert_rel_close(model, ref, rtol=TOL, msg=f'{name} resumed from torch:', **PER_TENSOR)
     assert_state_close(opt, ref_opt, model)
+
+
+def default_twin(name: str):
+    "The cbopt optimizer of case `name` built with its defaults but for the arguments that choose its chain."
+    make = CASES[name][0]
+    if not isinstance(make, partial): return make
+    return partial(make.func, **{k: v for k, v in make.keywords.items() if k in STRUCTURE})
+
+
+@pytest.mark.parametrize('name', CASES)
+def test_torch_state_dict_sets_every_hyper(name):
+    """Into a twin built with its defaults, a torch state_dict loads every hyper of torch's group (ASGD's `alpha`,
+    Rprop's `etas` and `step_sizes` included): it then goes on as torch does."""
+    ref, ref_opt = torch_run(name, steps=20)
+    model = copy.deepcopy(ref)
+    opt = default_twin(name)(model.named_parameters(), backend='loop')
+    opt.load_state_dict(ref_opt.state_dict())
+    want = CASES[name][0](make_model().named_parameters()).param_groups[0]
+    assert {k: opt.param_groups[0][k] for k in want if k not in ('params', 'param_names', 'cbs')} == \
+        {k: v for k, v in want.items() if k not in ('params', 'param_names', 'cbs')}
+    train(ref_opt, ref, 20, start=20)
+    train(opt, model, 20, start=20)
+    assert_rel_close(model, ref, rtol=TOL, msg=f'{name} resumed from torch:', **PER_TENSOR)
+
+
+@pytest.mark.parametrize('flag', ['amsgrad'])
+def test_torch_state_dict_of_another_flag_is_refused(flag):
+    "A torch checkpoint whose flag chooses another algorithm (amsgrad) is refused by name, and nothing changes."
+    ref, ref_opt = torch_run('adam-amsgrad', steps=3)
+    model = copy.deepcopy(ref)
+    opt = cbopt.Adam(model.named_parameters(), decouple_wd=False)
+    train(opt, model, 2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=f"group 0 of the torch.optim state_dict has {flag}=True.*build it with {flag}=True"):
+        opt.load_state_dict(ref_opt.state_dict())
+    after = opt.state_dict()
+    assert after['param_groups'] == before['param_groups']
+    assert all(torch.equal(v, after['state'][n][k]) if torch.is_tensor(v) else v == after['state'][n][k]
+               for n, st in before['state'].items() for k, v in st.items())
+
+
+def test_amsgrad_max_is_used():
+    "AMSGrad's running maximum differs from the second moment by the end (so the parity above tests it), in every param."
+    _, opt = cbopt_run('adam-amsgrad', 'loop')
+    for st in opt.state.values(): assert (st['max_sqr_avg'] > st['sqr_avg'] * 1.01).any()
 
 
 def test_fresh_torch_adagrad_state_loads():

@@ -8,25 +8,50 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..chain import chain_name, unwrap
 from .flags import split_flags
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
-__all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE']
+__all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE', 'TORCH_CHAIN_FLAGS',
+           'torch_hyper_names']
 
 # torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
 TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg',
                     'sum': 'sqr_sum', 'acc_delta': 'delta_sqr_avg', 'exp_inf': 'inf_norm', 'ax': 'param_avg',
-                    'prev': 'prev_grad'}  # Adagrad, Adadelta, Adamax, ASGD, Rprop (cbopt.torch_optimizers)
-TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
+                    'prev': 'prev_grad',  # Adagrad, Adadelta, Adamax, ASGD, Rprop (cbopt.torch_optimizers)
+                    'max_exp_avg_sq': 'max_sqr_avg'}  # Adam's amsgrad
+# torch's group entries -> cbopt's hypers (a tuple of torch's, as `betas`, spreads over several); a callback whose
+# torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's)
+TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'betas': ('mom', 'sqr_mom'), 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
                     'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr',
                     'lr_decay': 'lr_decay', 'rho': 'sqr_mom', 'momentum_decay': 'momentum_decay', 'lambd': 'lambd',
                     't0': 't0', 'initial_accumulator_value': 'initial_accumulator_value'}  # Adagrad, Adadelta, NAdam, ASGD
+# torch's flags that choose the algorithm, which cbopt chooses by listing a callback: the callback declaring
+# `cb.torch_flag = 'amsgrad'` is in the chain exactly when torch's group says amsgrad=True
+TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize')
 TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
 
 
 def _is_positional(names: list[str]) -> bool: return all(n == str(i) for i, n in enumerate(names))
+
+
+def torch_hyper_names(cbs) -> dict:
+    "torch's group entries -> cbopt's hypers for the chain `cbs`: the common table, and what its callbacks declare."
+    names = dict(TORCH_HYPER_KEYS)
+    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_names', None) or {})
+    return names
+
+
+def _check_flags(i: int, g: Mapping, cbs) -> None:
+    "A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm."
+    for flag in TORCH_CHAIN_FLAGS:
+        if flag not in g: continue
+        ours = any(getattr(unwrap(cb), 'torch_flag', None) == flag for cb in cbs)
+        if bool(g[flag]) != ours:
+            raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
+                             f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={ours}: build it with {flag}={bool(g[flag])}")
 
 
 def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
@@ -45,8 +70,12 @@ def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
                 raise ValueError(f"param {j} of group {i} is {their_names[j]!r} in the torch.optim state_dict "
                                  f"but {name!r} here")
             id2name[pid] = name
-        hypers = {TORCH_HYPER_KEYS[k]: v for k, v in g.items() if k in TORCH_HYPER_KEYS}
-        if 'betas' in g: hypers['mom'], hypers['sqr_mom'] = g['betas'][0], g['betas'][1]
+        _check_flags(i, g, mine['cbs'])
+        hypers, names = {}, torch_hyper_names(mine['cbs'])
+        for k, v in g.items():
+            if k not in names: continue
+            if isinstance(names[k], tuple): hypers.update(zip(names[k], v, strict=True))
+            else: hypers[names[k]] = v
         out_groups.append({**hypers, 'params': list(mine['param_names'])})
     state = {}
     for pid, s in sd['state'].items():
