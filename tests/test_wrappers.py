@@ -214,3 +214,36 @@ def test_fastai_gradient_clip_and_accumulation_same_losses():
     ours = _fit(lambda ps, **kw: cbopt.Accumulate(cbopt.Adam(ps, **kw), every=2), [])
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=0)
     assert ours[0] != _fit(cbopt.Adam, [])[0]  # accumulation changed the run
+
+
+# -- torch's fused kernel under the wrappers ------------------------------------------------------------------------
+KERNEL_WRAPPERS = {
+    'accumulate': (lambda o: cbopt.Accumulate(o, every=2), 2),
+    'clip-norm': (lambda o: cbopt.GradientClippingOptimizer(o, GradientClipping.NORM, max_gradient=0.05), 1),
+    'clip-then-accumulate': (lambda o: cbopt.Accumulate(cbopt.GradientClippingOptimizer(
+        o, GradientClipping.NORM, max_gradient=0.05), every=2), 2),
+}
+
+
+@pytest.mark.parametrize('backend', ['fused', 'auto'])
+@pytest.mark.parametrize('name', KERNEL_WRAPPERS)
+def test_fused_adam_kernel_runs_under_wrappers(name, backend, monkeypatch):
+    """Adam under a whole-model wrapper still runs torch's `_fused_adamw_` (the wrapper's per-param buffers, such as
+    'accumulate_grads.grad_sum', are not the chain's state), once per bucket and real step, and matches the loop."""
+    wrapper, every = KERNEL_WRAPPERS[name]
+    calls = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    m, ref_m = model(), model()
+    opt = wrapper(cbopt.Adam(m.named_parameters(), lr=0.01, backend=backend))
+    ref = wrapper(cbopt.Adam(ref_m.named_parameters(), lr=0.01, backend='loop'))
+    opt.init_state(); ref.init_state()  # else the first step, which creates the state, runs the chain itself
+    start = copy.deepcopy(m)
+    steps = 8
+    for step in range(steps):
+        grads(m, step); grads(ref_m, step)
+        opt.step(); ref.step()
+    assert len(calls) == steps // every  # one bucket (one group, fp32): one kernel call per real step, none skipped
+    for (n, p), q, p0 in zip(m.named_parameters(), ref_m.parameters(), start.parameters()):
+        assert (p - p0).abs().max() > 1e-3, n
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6 * q.abs().max().item(), msg=n)

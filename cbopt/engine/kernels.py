@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from ..chain import chain_sig
+from ..hypers import is_model_entry
 from .buckets import Bucket
 
 __all__ = ['register_kernel', 'torch_kernel', 'fused_adamw']
@@ -36,7 +37,8 @@ def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isins
 def fused_adamw(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
     "`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b`, or None if it does not apply."
     st, p0 = b.states[0], b.params[0]
-    if set(st) - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
+    # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
+    if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
     if 'dampening' in hyper or not _is_float(hyper['lr'], hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
     if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
