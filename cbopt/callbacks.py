@@ -1,9 +1,10 @@
 """Step callbacks: the pieces optimizers are listed from.
 
 A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None`, as in fastai. It reads the param `p`
-(`p.data`, `p.grad`), its state and its group's hypers by keyword, updates tensors in place, and returns the new
-state entries it created. Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers;
-the state it creates is declared as `cb.state` (and `transient`, `scope`: see `cbopt.chain`).
+(`p.data`, `p.grad`), its state and its group's hypers by keyword, updates `p.data` and its state in place, and
+returns the new state entries it created. It never writes into `p.grad`: `l2_reg` rebinds it (see `run_chain`).
+Defaults it needs are attached as `cb.defaults` and merged into the optimizer's hypers; the state it creates is
+declared as `cb.state` (and `transient`, `scope`: see `cbopt.chain`).
 
 Callbacks are written once and run in every backend: the per-param loop passes tensors, a bucket backend passes
 a list-like stand-in for all the params of a bucket. So a callback uses tensor math (`torch.where`, `clamp`) rather
@@ -34,8 +35,8 @@ weight_decay.state = {}
 
 
 def l2_reg(p, lr, wd, do_wd=True, **kwargs):
-    "L2 regularization: add `wd*p` to the gradient (torch's `weight_decay` in SGD/Adam)."
-    if do_wd and wd != 0: p.grad.data.add_(p.data, alpha=wd)
+    "L2 regularization: the rest of the chain sees `grad + wd*p` (torch's `weight_decay` in SGD/Adam); `p.grad` is kept."
+    if do_wd and wd != 0: p.grad = p.grad.add(p.data, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
 l2_reg.state = {}
 

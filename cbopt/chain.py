@@ -97,10 +97,18 @@ def chain_reads(cbs: Iterable[Callable]) -> frozenset:
 
 
 def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
-    "Run each callback on `p` with its state and hypers as keywords, merging the state it returns (fastai's step)."
-    for cb in cbs:
-        new = cb(p, **{**state, **hyper})
-        if isinstance(new, dict): state.update(new)
+    """Run each callback on `p` with its state and hypers as keywords, merging the state it returns (fastai's step).
+
+    The grad contract: a callback that changes the grad the rest of the chain sees (L2, maximize) rebinds `p.grad`
+    out of place instead of writing into it, and `p` gets its own grad back afterwards, so a step leaves the user's
+    `p.grad` as it was, as torch.optim does."""
+    grad = p.grad
+    try:
+        for cb in cbs:
+            new = cb(p, **{**state, **hyper})
+            if isinstance(new, dict): state.update(new)
+    finally:
+        if p.grad is not grad: p.grad = grad
 
 
 # -- identity of a chain ---------------------------------------------------------------------------------------------
@@ -244,13 +252,3 @@ def check_chain(cbs: Iterable[Callable]) -> None:
                              f"entries ('{n}.<key>') would collide")
     check_returns(_creators(cbs))
 
-
-def run_chain_checked(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
-    "`run_chain`, also checking that no two callbacks return one state entry (for undeclared callbacks, on a dry run)."
-    creators: dict[str, list] = {}
-    for cb in cbs:
-        new = cb(p, **{**state, **hyper})
-        if isinstance(new, dict):
-            for k in new: creators.setdefault(k, []).append(cb)
-            state.update(new)
-    check_returns(creators)

@@ -100,9 +100,9 @@ def lion(p, lr, mom, sqr_mom, wd, grad_avg=None, **kwargs):
 
 
 def clip_by_norm(p, max_norm, **kwargs):
-    "A user-written per-param grad clip: no Python `if` on a tensor, so it runs bucket-wise."
+    "A user-written per-param grad clip: no Python `if` on a tensor, so it runs bucket-wise; it rebinds `p.grad`."
     n = torch.linalg.vector_norm(p.grad.data)
-    p.grad.data.mul_(torch.where(n > max_norm, max_norm / (n + 1e-12), 1.))
+    p.grad = p.grad * torch.where(n > max_norm, max_norm / (n + 1e-12), 1.)
 
 
 # fp32 over 100 steps at lr 3e-2, where the two sides order their float ops differently (torch's AdamW/RAdam against

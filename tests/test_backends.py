@@ -360,3 +360,34 @@ def test_fallback_probes_a_layout_once(monkeypatch):
             assert_same_params(ours, ref)
             if i == 1: after_two = len(calls)  # layouts: stateless on step 1, with `grad_avg` from step 2 on
     assert after_two == 2 * len(bucketing.buckets(opt)) and len(calls) == after_two
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach', 'fused'])
+@pytest.mark.parametrize('c', CASES, ids=str)
+def test_step_leaves_the_users_grads(c, backend):
+    "The grad contract: a step never writes into `p.grad` (torch.optim leaves it as it was), L2 and maximize included."
+    torch.manual_seed(0)
+    ps = [torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    opt = c.build(ps, 1e-2, backend)
+    for i in range(3):
+        grads = [torch.randn_like(p) for p in ps]
+        for p, g in zip(ps, grads): p.grad = g
+        kept = [g.clone() for g in grads]
+        opt.step()
+        assert all(p.grad is g for p, g in zip(ps, grads))
+        assert all(torch.equal(g, k) for g, k in zip(grads, kept))
+
+
+def test_l2_grad_left_as_torch_leaves_it():
+    "cbopt's L2 (`decouple_wd=False`) steps as torch's SGD `weight_decay` and, like it, keeps `p.grad` unchanged."
+    torch.manual_seed(0)
+    a, b = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    with torch.no_grad(): b.copy_(a)
+    ours = cbopt.SGD([a], lr=0.1, mom=0.9, wd=0.1, decouple_wd=False)
+    ref = torch.optim.SGD([b], lr=0.1, momentum=0.9, weight_decay=0.1)
+    for i in range(10):
+        g = torch.randn(5)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step(); ref.step()
+        assert torch.equal(a.grad, g) and torch.equal(b.grad, g)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
