@@ -41,6 +41,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 # in the class body while TensorList is being built, where mutmut's trampoline for a method finds no mutant table
 # yet (KeyError '_mutmut_orig': no test could even be collected); `_unary` runs only at import, which happens
 # before mutmut selects a mutant, so none of its mutants could ever be active
+# extra pytest arguments per module: the fused (torch.compile) cases cost seconds of compiling per mutant and run the
+# same Python code as the others in these modules, so the fast modules leave them out
+PYTEST_ARGS: dict[str, list[str]] = {m: ['-k', 'not fused'] for m in ('state', 'hypers', 'params')}
+
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary']}
 
 # what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
@@ -91,13 +95,14 @@ def docstring_patterns(work: Path, sources: list[str]) -> list[str]:
     return [p.replace('%', '%%') for p in pats]  # setup.cfg interpolates '%'
 
 
-def write_config(work: Path, sources: list[str], tests: list[str], not_mutated: list[str]) -> None:
+def write_config(work: Path, sources: list[str], tests: list[str], not_mutated: list[str],
+                 pytest_args: list[str]) -> None:
     (work / 'setup.cfg').write_text(
         '[mutmut]\n'
         'source_paths = cbopt\n'                                     # copied whole, so every import works
         f'only_mutate ={_list(sources)}\n'
         f'pytest_add_cli_args_test_selection ={_list(tests)}\n'
-        f'pytest_add_cli_args ={_list(["-p", "no:cacheprovider", "--hypothesis-seed=0"])}\n'
+        f'pytest_add_cli_args ={_list(["-p", "no:cacheprovider", "--hypothesis-seed=0", *pytest_args])}\n'
         f'do_not_mutate_patterns ={_list(docstring_patterns(work, sources) + function_patterns(work, sources, not_mutated))}\n'
         'process_isolation = forkserver\n'                           # the tests import torch: not fork-safe
         'timeout_constant = 10\n'                                    # the CPU is shared: wall time is no measure
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     mutmut = [sys.executable, '-c', 'import sys; from mutmut.__main__ import cli; sys.exit(cli())']
     if not args.report_only:
         sync(work, args.fresh)
-        write_config(work, sources, tests, NOT_MUTATED.get(args.module, []))
+        write_config(work, sources, tests, NOT_MUTATED.get(args.module, []), PYTEST_ARGS.get(args.module, []))
         rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
         print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
               flush=True)

@@ -1,0 +1,174 @@
+"""One test per callback of `cbopt.torch_callbacks` (issue #14 item 3), as `test_callbacks.py` does for fastai's: a
+one-element float64 param (Rprop's: three elements, one per branch) with a hand-chosen grad and state, and the
+expected numbers worked out in the test from torch's documented update rules (never with the callbacks' own helpers
+such as `debias`). `test_torch_catalogue.py` checks the same callbacks against torch.optim over many steps; these
+pin each formula on its own, where a wrong constant cannot hide behind another callback of the chain."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cbopt.torch_callbacks import (adadelta_step, adagrad_step, adamax_step, asgd_step, inf_norm_grad, nadam_step,
+                                   rprop_step, sqr_grad_sum)
+
+
+def T(*xs: float) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+def P(data: tuple, grad: tuple) -> torch.Tensor:
+    "A float64 param holding `data`, with `grad` as its gradient."
+    p = T(*data)
+    p.grad = T(*grad)
+    return p
+
+
+def close(t: torch.Tensor, *expected: float) -> None:
+    "`t` holds the hand-computed numbers, to float64 rounding."
+    torch.testing.assert_close(t, T(*expected).reshape(t.shape), rtol=1e-12, atol=1e-15)
+
+
+def grad_untouched(p: torch.Tensor, *grad: float) -> None:
+    "The grad contract: a callback never writes into `p.grad`."
+    assert torch.equal(p.grad, T(*grad))
+
+
+# -- Adagrad -------------------------------------------------------------------------------------------------------
+def test_sqr_grad_sum_starts_at_the_initial_accumulator_value() -> None:
+    "Step 1 sets the sum to `initial_accumulator_value` (whatever it held: torch fills it at construction), then adds g^2."
+    p = P((1.,), (3.,))
+    out = sqr_grad_sum(p, step=1, initial_accumulator_value=0.5, sqr_sum=T(7.))
+    close(out['sqr_sum'], 0.5 + 3. * 3.)
+    out = sqr_grad_sum(p, step=2, initial_accumulator_value=0.5, sqr_sum=out['sqr_sum'])
+    close(out['sqr_sum'], 9.5 + 9.)          # later steps only add
+    close(sqr_grad_sum(p, step=1, initial_accumulator_value=0.)['sqr_sum'], 9.)  # a first call creates it
+    close(p, 1.), grad_untouched(p, 3.)
+
+
+def test_adagrad_step_decays_the_lr_with_the_step() -> None:
+    "p -= lr / (1 + (step - 1) * lr_decay) * g / (sqrt(sum) + eps)"
+    p = P((1.,), (3.,))
+    adagrad_step(p, lr=0.1, lr_decay=0.5, step=3, sqr_sum=T(16.), eps=0.25)
+    close(p, 1. - 0.1 / (1. + 2 * 0.5) * 3. / (4. + 0.25))
+    p = P((1.,), (3.,))
+    adagrad_step(p, lr=0.1, lr_decay=0.5, step=1, sqr_sum=T(16.), eps=0.25)  # no decay at the first step
+    close(p, 1. - 0.1 * 3. / 4.25)
+    grad_untouched(p, 3.)
+    assert adagrad_step.defaults == dict(lr_decay=0., eps=1e-10)  # torch.optim.Adagrad's
+
+
+# -- Adadelta ------------------------------------------------------------------------------------------------------
+def test_adadelta_step() -> None:
+    "delta = sqrt(acc_delta + eps) / sqrt(sqr_avg + eps) * g; acc_delta = rho*acc_delta + (1-rho)*delta^2; p -= lr*delta"
+    p = P((1.,), (2.,))
+    out = adadelta_step(p, lr=0.5, sqr_mom=0.9, eps=0.01, sqr_avg=T(4.), delta_sqr_avg=T(0.25))
+    delta = math.sqrt(0.25 + 0.01) / math.sqrt(4. + 0.01) * 2.
+    close(p, 1. - 0.5 * delta)
+    close(out['delta_sqr_avg'], 0.9 * 0.25 + 0.1 * delta * delta)
+    grad_untouched(p, 2.)
+
+
+def test_adadelta_first_step_starts_from_zero_updates() -> None:
+    p = P((1.,), (2.,))
+    out = adadelta_step(p, lr=1., sqr_mom=0.9, eps=0.01, sqr_avg=T(0.4))
+    delta = math.sqrt(0.01) / math.sqrt(0.41) * 2.
+    close(p, 1. - delta)
+    close(out['delta_sqr_avg'], 0.1 * delta * delta)
+    assert adadelta_step.defaults == dict(sqr_mom=0.9, eps=1e-6)  # torch's rho and eps
+
+
+# -- Adamax --------------------------------------------------------------------------------------------------------
+def test_inf_norm_grad_is_the_larger_of_the_decayed_norm_and_the_grad() -> None:
+    "inf_norm = max(beta2 * inf_norm, |g| + eps)"
+    p = P((1.,), (-3.,))
+    close(inf_norm_grad(p, sqr_mom=0.5, eps=0.1, inf_norm=T(10.))['inf_norm'], 5.)   # the decayed norm wins
+    close(inf_norm_grad(p, sqr_mom=0.5, eps=0.1, inf_norm=T(4.))['inf_norm'], 3.1)   # the grad wins
+    close(inf_norm_grad(p, sqr_mom=0.5, eps=0.1)['inf_norm'], 3.1)                   # first step: from zero
+    close(p, 1.), grad_untouched(p, -3.)
+
+
+def test_adamax_step_debiases_the_average_only() -> None:
+    "p -= lr / (1 - beta1^step) * exp_avg / inf_norm"
+    p = P((1.,), (2.,))
+    adamax_step(p, lr=0.1, mom=0.9, step=2, grad_avg=T(0.5), inf_norm=T(2.))
+    close(p, 1. - 0.1 / (1. - 0.81) * 0.5 / 2.)
+    grad_untouched(p, 2.)
+
+
+# -- NAdam ---------------------------------------------------------------------------------------------------------
+def test_nadam_step() -> None:
+    """mu_t = beta1 * (1 - 0.5 * 0.96^(t * psi)), mu_product *= mu_t, denom = sqrt(v / (1 - beta2^t)) + eps;
+    p -= lr * (1 - mu_t) / (1 - mu_product) * g / denom + lr * mu_{t+1} / (1 - mu_product * mu_{t+1}) * m / denom"""
+    p = P((1.,), (2.,))
+    out = nadam_step(p, lr=0.1, mom=0.9, sqr_mom=0.99, eps=0.01, step=2, momentum_decay=0.5, grad_avg=T(0.5),
+                     sqr_avg=T(0.2), mu_product=torch.tensor(0.5, dtype=torch.float64))
+    mu, mu_next = 0.9 * (1. - 0.5 * 0.96 ** (2 * 0.5)), 0.9 * (1. - 0.5 * 0.96 ** (3 * 0.5))
+    prod = 0.5 * mu
+    denom = math.sqrt(0.2 / (1. - 0.99 ** 2)) + 0.01
+    close(p, 1. - 0.1 * (1. - mu) / (1. - prod) * 2. / denom - 0.1 * mu_next / (1. - prod * mu_next) * 0.5 / denom)
+    close(out['mu_product'], prod)
+    grad_untouched(p, 2.)
+
+
+def test_nadam_mu_product_starts_at_one_in_the_params_precision() -> None:
+    "A first step's product is mu_1 itself; it is a 0-d float64 tensor for a float64 param, float32 otherwise (torch's)."
+    p = P((1.,), (2.,))
+    out = nadam_step(p, lr=0.1, mom=0.9, sqr_mom=0.99, eps=0.01, step=1, momentum_decay=0.5, grad_avg=T(0.5),
+                     sqr_avg=T(0.2))
+    close(out['mu_product'], 0.9 * (1. - 0.5 * 0.96 ** 0.5))
+    assert out['mu_product'].dtype == torch.float64 and out['mu_product'].ndim == 0
+    q = torch.ones(1, dtype=torch.bfloat16)
+    assert nadam_step.state['mu_product'](q).dtype == torch.float32
+    assert nadam_step.defaults == dict(eps=1e-8, momentum_decay=4e-3)  # torch.optim.NAdam's
+
+
+# -- ASGD ----------------------------------------------------------------------------------------------------------
+def test_asgd_step_averages_from_t0() -> None:
+    """eta = lr / (1 + lambd * lr * (step - 1))^alpha; p = p * (1 - lambd * eta) - eta * g; the average moves by
+    mu = 1 / max(1, step - 1 - t0) towards p."""
+    p = P((2.,), (1.,))
+    out = asgd_step(p, lr=0.1, lambd=0.5, alpha=0.75, t0=1, step=4, param_avg=T(1.))
+    eta = 0.1 / (1. + 0.5 * 0.1 * 3) ** 0.75
+    new = 2. * (1. - 0.5 * eta) - eta * 1.
+    close(p, new)
+    close(out['param_avg'], 1. + (new - 1.) * (1. / (4 - 1 - 1)))
+    grad_untouched(p, 1.)
+
+
+def test_asgd_average_is_the_param_before_t0_and_at_the_first_step() -> None:
+    for step, t0 in ((1, 0), (3, 10)):  # mu = 1: the first step, and any step before t0
+        p = P((2.,), (1.,))
+        out = asgd_step(p, lr=0.1, lambd=0.5, alpha=0.75, t0=t0, step=step, param_avg=T(-7.))
+        eta = 0.1 / (1. + 0.5 * 0.1 * (step - 1)) ** 0.75
+        close(p, 2. * (1. - 0.5 * eta) - eta)
+        close(out['param_avg'], p.item())
+    assert asgd_step.defaults == dict(lambd=1e-4, alpha=0.75, t0=1e6)  # torch.optim.ASGD's
+
+
+# -- Rprop ---------------------------------------------------------------------------------------------------------
+def test_rprop_step_per_element_branches() -> None:
+    """Elements whose grad kept its sign grow their step by etaplus, flipped ones shrink it by etaminus and do not
+    move (their grad is remembered as 0), a zero product keeps it; the step is clamped; p -= sign(g) * step_size."""
+    p = P((1., 1., 1.), (2., -3., 4.))
+    out = rprop_step(p, lr=0.1, etaminus=0.5, etaplus=1.2, step_size_min=0.01, step_size_max=0.11, step=2,
+                     prev_grad=T(1., 1., 0.), step_size=T(0.1, 0.1, 0.1))
+    close(out['step_size'], 0.11, 0.05, 0.1)  # 0.12 clamped to the max
+    close(out['prev_grad'], 2., 0., 4.)
+    close(p, 1. - 0.11, 1., 1. - 0.1)
+    grad_untouched(p, 2., -3., 4.)
+    out = rprop_step(p, lr=0.1, etaminus=0.5, etaplus=1.2, step_size_min=0.04, step_size_max=1., step=3,
+                     prev_grad=T(1., 1., 1.), step_size=T(0.05, 0.05, 0.05))
+    close(out['step_size'], 0.06, 0.04, 0.06)  # 0.025 clamped to the min
+
+
+def test_rprop_first_step_sizes_are_the_lr() -> None:
+    "At step 1 every step size is the group's lr (whatever it held), and each element moves by lr along -sign(g)."
+    p = P((1., 1.), (2., -3.))
+    out = rprop_step(p, lr=0.1, etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50., step=1,
+                     prev_grad=T(0., 0.), step_size=T(9., 9.))
+    close(out['step_size'], 0.1, 0.1)
+    close(p, 0.9, 1.1)
+    out = rprop_step(P((1.,), (2.,)), lr=0.1, etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50., step=1)
+    close(out['step_size'], 0.1), close(out['prev_grad'], 2.)
+    assert rprop_step.defaults == dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
