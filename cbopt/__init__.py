@@ -13,6 +13,10 @@ from .torch_callbacks import *
 from .torch_callbacks import __all__ as _torch_callbacks_all
 from .torch_optimizers import *
 from .torch_optimizers import __all__ as _torch_optimizers_all
+from .modern_callbacks import *
+from .modern_callbacks import __all__ as _modern_callbacks_all
+from .modern_optimizers import *
+from .modern_optimizers import __all__ as _modern_optimizers_all
 from .tensorlist import BucketError, TensorList
 from .model_callbacks import *
 from .model_callbacks import __all__ as _model_callbacks_all
@@ -24,6 +28,7 @@ from .integrations import fastai as _fastai_integration  # registers its hooks; 
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
-           *_torch_callbacks_all, *_torch_optimizers_all, *_model_callbacks_all,
+           *_torch_callbacks_all, *_torch_optimizers_all, *_modern_callbacks_all, *_modern_optimizers_all,
+           *_model_callbacks_all,
            'GradientClipping', 'WarmupPolicy', 'WarmupStage', 'GradientClippingOptimizer', 'WarmupOptimizer',
            'SkipNonFinite', 'Accumulate']

@@ -181,6 +181,11 @@ CASES: list[Case] = [
     Case('clip-adam', build=lambda ps, lr, backend='auto': cbopt.Optimizer(
         ps, [clip_by_norm, cbopt.average_grad, cbopt.average_sqr_grad, cbopt.step_stat, cbopt.adam_step],
         backend=backend, lr=lr, max_norm=0.05)),
+    # the modern optimizers: their references are other packages (lion-pytorch, pytorch-optimizer, torch-optimi,
+    # schedulefree), followed step by step in test_modern.py; here the loop is their reference
+    Case('lion-prebuilt', build=lambda ps, lr, backend='auto': cbopt.Lion(ps, tenth(lr), mom=0.8, sqr_mom=0.95, wd=0.1,
+                                                                          backend=backend),
+         compiles=('aot_eager',)),
 ]
 
 BY_ID: dict[str, Case] = {c.id: c for c in CASES}
