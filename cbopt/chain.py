@@ -47,7 +47,7 @@ import torch
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain', 'model_param_state',
-           'model_key']
+           'model_key', 'around_params']
 
 SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers')  # what a whole-model callback may return to the engine, beside its state
@@ -172,6 +172,15 @@ def split_chain(cbs: Iterable[Callable]) -> tuple[list, list, list]:
         if m: raise ValueError(f"whole-model callback {cb_name(cb)!r} is in the middle of the chain [{chain_name(cbs)}]: "
                                "list it before every per-param callback (it runs before them) or after (it runs after)")
     return cbs[:i], cbs[i:j], cbs[j:]
+
+
+def around_params(cbs: Iterable[Callable], transform: Callable[[list], list]) -> list:
+    """`transform` applied to the per-param callbacks of a chain, its whole-model callbacks kept at the ends, so that
+    wrappers compose in any order (`Lookahead` around a clipped chain keeps the clipping first). Whole-model callbacks
+    that `transform` puts first run before the chain's own (the outermost wrapper first), those it puts last after."""
+    pre, params, post = split_chain(cbs)
+    new_pre, new_params, new_post = split_chain(transform(params))
+    return [*new_pre, *pre, *new_params, *post, *new_post]
 
 
 def is_declared(cbs: Iterable[Callable]) -> bool:

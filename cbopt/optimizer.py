@@ -11,7 +11,7 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .chain import cb_name, chain_defaults, chain_name, chain_reads, check_chain
+from .chain import around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain
 from .engine import Backend, as_backend
 from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, is_model_entry, model_entries
 from .params import check_params, named_groups
@@ -252,10 +252,13 @@ class Optimizer(torch.optim.Optimizer):
 def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Optimizer:
     """A new Optimizer over `opt`'s params, names, groups, hypers, backend, state, whole-model state and freezing,
     whose chains are `transform(chain)`, with `hypers` set in every group: how wrappers (`Lookahead`, torchrec's
-    clipping and warmup, `Accumulate`...) are built. `opt`'s per-param state dicts are shared, not copied."""
+    clipping and warmup, `Accumulate`...) are built. `transform` sees the per-param callbacks only: the whole-model ones
+    stay at the ends of the chain, so wrappers compose in any order (`cbopt.chain.around_params`). `opt`'s per-param
+    state dicts are shared, not copied."""
+    def new_chain(cbs) -> list: return around_params(cbs, transform)
     groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i], **hypers,  # (name, param): names kept
-               'cbs': None if g['cbs'] is opt.cbs else transform(list(g['cbs']))} for i, g in enumerate(opt.param_groups)]
-    res = Optimizer(groups, transform(list(opt.cbs)), backend=opt.backend_options, **{**opt.defaults, **hypers})
+               'cbs': None if g['cbs'] is opt.cbs else new_chain(g['cbs'])} for i, g in enumerate(opt.param_groups)]
+    res = Optimizer(groups, new_chain(opt.cbs), backend=opt.backend_options, **{**opt.defaults, **hypers})
     for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state
     for p in opt.params:
         if p in opt.state: res.state[p] = opt.state[p]

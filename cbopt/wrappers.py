@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from .chain import cb_name
 from .model_callbacks import accumulate_grads, clip_grad_norm, clip_grad_value, skip_nonfinite, warmup
 from .optimizer import Optimizer, rechain
 from .warmup import GradientClipping, WarmupSchedule, WarmupStage
@@ -24,6 +25,9 @@ __all__ = ['wrap', 'GradientClippingOptimizer', 'WarmupOptimizer', 'SkipNonFinit
 def wrap(opt: Optimizer, cb: Callable, **hypers) -> Optimizer:
     "`opt` with the whole-model callback `cb` first in every group's chain (its `hypers` set in every group)."
     if not isinstance(opt, Optimizer): raise TypeError(f"expected a cbopt.Optimizer, got {type(opt).__name__}")
+    if getattr(opt, 'in_backward', False):  # its hooks step each param alone, before any whole-model callback could run
+        raise TypeError(f"the whole-model callback {cb_name(cb)!r} needs every grad at once, but this optimizer steps in "
+                        "backward (cbopt.InBackward), each param alone: step it after backward instead")
     return rechain(opt, lambda cbs: [cb, *cbs], **hypers)
 
 

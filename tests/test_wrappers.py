@@ -4,6 +4,7 @@ resume mid-warmup; fastai's GradientClip and GradientAccumulation give the same 
 from __future__ import annotations
 
 import copy
+import itertools
 import io
 import math
 
@@ -247,3 +248,51 @@ def test_fused_adam_kernel_runs_under_wrappers(name, backend, monkeypatch):
     for (n, p), q, p0 in zip(m.named_parameters(), ref_m.parameters(), start.parameters()):
         assert (p - p0).abs().max() > 1e-3, n
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6 * q.abs().max().item(), msg=n)
+
+
+# -- composition in any order ---------------------------------------------------------------------------------------
+COMPOSABLE = {
+    'lookahead': lambda o: cbopt.Lookahead(o, k=3, alpha=0.5),
+    'clip': lambda o: cbopt.GradientClippingOptimizer(o, GradientClipping.NORM, max_gradient=0.05),
+    'accumulate': lambda o: cbopt.Accumulate(o, every=2),
+}
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+@pytest.mark.parametrize('order', list(itertools.permutations(COMPOSABLE)), ids='-'.join)
+def test_wrappers_compose_in_any_order(order, backend):
+    """Lookahead, clipping and accumulation wrap each other in any order (innermost first in `order`): the whole-model
+    callbacks stay at the start of the chain, the outer one first, and the steps are those of torch's clip_grad_norm_
+    and a hand-made mean of two grads around a plain Lookahead(Adam)."""
+    m, ref_m = model(), model()
+    opt = cbopt.Adam(m.named_parameters(), lr=0.01, backend=backend)
+    for name in order: opt = COMPOSABLE[name](opt)
+    ref = cbopt.Lookahead(cbopt.Adam(ref_m.named_parameters(), lr=0.01, backend=backend), k=3, alpha=0.5)
+    clip_first = order.index('clip') > order.index('accumulate')  # clipping is outer: it clips each micro-batch
+    names = cbopt.chain_name(opt.cbs).split(',')
+    assert names[:2] == (['clip_grad_norm', 'accumulate_grads'] if clip_first else ['accumulate_grads', 'clip_grad_norm'])
+    assert names[2] == 'lookahead_keep' and names[-1] == 'lookahead_step'
+    start, pending = copy.deepcopy(m), []
+    for step in range(12):
+        grads(m, step); grads(ref_m, step)
+        opt.step()
+        if clip_first: torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.05)
+        pending.append([p.grad.clone() for p in ref_m.parameters()])
+        if len(pending) < 2: continue
+        for p, g0, g1 in zip(ref_m.parameters(), *pending): p.grad = (g1 + g0) / 2
+        pending = []
+        if not clip_first: torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.05)
+        ref.step()
+    for (n, p), q, p0 in zip(m.named_parameters(), ref_m.parameters(), start.parameters()):
+        assert (p - p0).abs().max() > 1e-3, n
+        torch.testing.assert_close(p, q, msg=n)
+
+
+def test_a_whole_model_wrapper_refuses_an_in_backward_optimizer():
+    "InBackward steps each param alone during backward, so a whole-model callback around it could never run: an error."
+    m = model()
+    inbwd = cbopt.InBackward(cbopt.Adam(m.parameters()))
+    try:
+        for wrapper in COMPOSABLE.values():
+            with pytest.raises(TypeError, match="InBackward"): wrapper(inbwd)
+    finally: inbwd.remove_hooks()
