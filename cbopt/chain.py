@@ -46,8 +46,8 @@ import torch
 
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
-           'zeros', 'copy_of_param', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain', 'model_param_state',
-           'model_key', 'around_params']
+           'zeros', 'copy_of_param', 'declared_for', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
+           'model_param_state', 'model_key', 'around_params']
 
 SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers')  # what a whole-model callback may return to the engine, beside its state
@@ -221,12 +221,24 @@ def copy_of_param(p) -> torch.Tensor:
 
 
 def init_chain_state(cbs: Iterable[Callable], p) -> dict:
-    "The state a declared chain holds for `p` before its first step."
+    """The state a declared chain holds for `p` before its first step. An initializer giving None keeps no such entry
+    for `p` (state kept by rank: Adafactor's factored moments for matrices, a full one for vectors)."""
     out = {}
     for cb in cbs:
         for k, v in (declared_state(cb) or {}).items():
-            if k not in out: out[k] = v(p) if callable(v) else v
+            if k in out: continue
+            v = v(p) if callable(v) else v
+            if v is not None: out[k] = v
     return out
+
+
+def declared_for(cb: Callable, p) -> dict:
+    """`cb`'s declared state for `p`, created in its first step: for a bucket (a list of params, as the foreach backend
+    passes them) one list of the same type per entry. A chain of `scope='tensor'` steps buckets of one rank, so state
+    kept by rank has the same entries for every param of a bucket."""
+    if not isinstance(p, list): return init_chain_state([cb], p)
+    per_param = [init_chain_state([cb], q) for q in p]
+    return {k: type(p)([s[k] for s in per_param]) for k in per_param[0]}
 
 
 def _creators(cbs: Iterable[Callable]) -> dict[str, list]:

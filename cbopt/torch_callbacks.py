@@ -1,5 +1,5 @@
-"""Step callbacks for torch.optim's elementwise algorithms that cbopt's own callbacks do not cover: Adagrad, Adadelta,
-Adamax, NAdam, ASGD and Rprop (listed into optimizers in `cbopt.torch_optimizers`).
+"""Step callbacks for torch.optim's algorithms that cbopt's own callbacks do not cover: Adagrad, Adadelta, Adamax,
+NAdam, ASGD, Rprop and Adafactor (listed into optimizers in `cbopt.torch_optimizers`).
 
 Each follows torch's `_single_tensor_<algo>` float op for float op where it can, so the results stay within rounding
 of torch's classes; what cbopt already has is reused (`l2_reg`/`weight_decay`, `average_grad`, `average_sqr_grad`,
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .callbacks import debias, rms_prop_step
-from .chain import zeros
+from .chain import declared_for, zeros
 
 __all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
-           'rprop_step']
+           'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step']
 
 
 def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
@@ -112,3 +112,66 @@ def rprop_step(p, lr, etaminus, etaplus, step_size_min, step_size_max, step, pre
 rprop_step.defaults = dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
 rprop_step.state = dict(prev_grad=zeros, step_size=zeros)
 rprop_step.torch_names = dict(etas=('etaminus', 'etaplus'), step_sizes=('step_size_min', 'step_size_max'))
+
+
+def _rms(x):
+    "The root mean square of a whole tensor (one per param of a bucket)."
+    return x.square().mean().sqrt()
+
+
+def relative_step_size(p, lr, step, eps2, **kwargs):
+    """Adafactor's step size for this step, `step_size`: `max(eps2, rms(p)) * min(lr, 1/sqrt(step))`, from the param
+    before weight decay (as torch computes it)."""
+    return {'step_size': _rms(p.data).clamp_(min=eps2).mul_(min(lr, 1 / step ** 0.5))}
+relative_step_size.defaults = dict(eps2=1e-3)
+relative_step_size.state = {}
+relative_step_size.transient = ('step_size',)
+relative_step_size.scope = 'tensor'
+relative_step_size.torch_names = dict(eps=('eps1', 'eps2'))
+
+
+def _row_var(p):
+    "Initializer: Adafactor's row factor (the last dim reduced), for params of 2 or more dims."
+    return p.data.new_zeros((*p.shape[:-1], 1)) if p.ndim > 1 else None
+
+
+def _col_var(p):
+    "Initializer: Adafactor's column factor (the last but one dim reduced), for params of 2 or more dims."
+    return p.data.new_zeros((*p.shape[:-2], 1, p.shape[-1])) if p.ndim > 1 else None
+
+
+def _variance(p):
+    "Initializer: Adafactor's unfactored second moment, for params of fewer than 2 dims."
+    return torch.zeros_like(p.data) if p.ndim <= 1 else None
+
+
+def factored_sqr_grad(p, step, beta2_decay, row_var=None, col_var=None, variance=None, **kwargs):
+    """Adafactor's second moment, averaged with the weight `step**beta2_decay`: for a param of 2 or more dims as the
+    mean squared grad of each row (`row_var`) and of each column (`col_var`), else in full (`variance`); torch's names."""
+    if row_var is None and variance is None:  # the first step: the entries of this param's rank
+        new = declared_for(factored_sqr_grad, p)
+        row_var, col_var, variance = new.get('row_var'), new.get('col_var'), new.get('variance')
+    g, w = p.grad.data, step ** beta2_decay
+    if variance is not None:
+        variance.lerp_(g * g, w)
+        return {'variance': variance}
+    row_var.lerp_(g.square().mean(dim=-1, keepdim=True), w)
+    col_var.lerp_(g.square().mean(dim=-2, keepdim=True), w)
+    return {'row_var': row_var, 'col_var': col_var}
+factored_sqr_grad.defaults = dict(beta2_decay=-0.8)
+factored_sqr_grad.state = dict(row_var=_row_var, col_var=_col_var, variance=_variance)
+factored_sqr_grad.scope = 'tensor'
+
+
+def adafactor_step(p, step_size, d, eps1, row_var=None, col_var=None, variance=None, **kwargs):
+    """Adafactor step: the grad over the root of the second moment (the outer product of the factors over the rows'
+    mean, for a factored one), its rms clipped to `d`, times `step_size`. `eps1=None` is the dtype's epsilon."""
+    eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+    if variance is not None: v = variance.clone()
+    else: v = torch.matmul(row_var, col_var).div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    update = v.clamp_(min=eps1 * eps1).rsqrt_().mul_(p.grad.data)
+    p.data.sub_(update.mul_(step_size / (_rms(update) / d).clamp_(min=1.)))
+adafactor_step.defaults = dict(d=1., eps1=None)
+adafactor_step.state = {}
+adafactor_step.scope = 'tensor'
+adafactor_step.torch_names = dict(d='d', beta2_decay='beta2_decay', eps=('eps1', 'eps2'))

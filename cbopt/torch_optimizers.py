@@ -1,4 +1,5 @@
-"""torch.optim's elementwise algorithms as cbopt optimizers: `Adagrad`, `Adadelta`, `Adamax`, `NAdam`, `ASGD`, `Rprop`.
+"""torch.optim's other algorithms as cbopt optimizers: `Adagrad`, `Adadelta`, `Adamax`, `NAdam`, `ASGD`, `Rprop`,
+`Adafactor`.
 
 Each has torch's defaults and numerics (within float rounding of the torch class), and reads that class's state_dict.
 Hyper names are fastai's where fastai has the hyper, torch's otherwise: torch's `betas` are `mom`/`sqr_mom`,
@@ -11,13 +12,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from .callbacks import average_grad, average_sqr_grad, step_stat
+from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
 from .optimizer import Optimizer
 from .optimizers import _decay
-from .torch_callbacks import (adadelta_step, adagrad_step, adamax_step, asgd_step, inf_norm_grad, nadam_step,
-                              rprop_step, sqr_grad_sum)
+from .torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
+                              inf_norm_grad, nadam_step, relative_step_size, rprop_step, sqr_grad_sum)
 
-__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop']
+__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop', 'Adafactor']
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -83,3 +84,20 @@ def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.
     cbs = _decay(decouple_wd) + [step_stat, rprop_step]
     return Optimizer(params, cbs, lr=lr, etaminus=etaminus, etaplus=etaplus, step_size_min=step_size_min,
                      step_size_max=step_size_max, wd=wd, backend=backend)
+
+
+def Adafactor(params: Any, lr: float | slice = 1e-2, beta2_decay: float = -0.8,
+              eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, wd: float = 0.,
+              backend: str = "auto") -> Optimizer:
+    """torch.optim.Adafactor: second moments factored into row and column means for params of 2 or more dims (state
+    `row_var`, `col_var`; `variance` for the others; torch's names), averaged with the weight `step**beta2_decay`; the
+    step is relative to the param's rms (at least `eps[1]`) and its rms clipped to `d`. `eps` become the hypers `eps1`
+    (None: the dtype's epsilon) and `eps2`, torch's functional names; `wd` (torch's `weight_decay`) is decoupled, as
+    in torch."""
+    eps1, eps2 = eps
+    _check(beta2_decay <= 0, f"beta2_decay should be <= 0 but is: {beta2_decay}")
+    _check(eps1 is None or eps1 >= 0, f"epsilon1 should be >= 0 but is: {eps1}")
+    _check(eps2 >= 0, f"epsilon2 should be >= 0 but is: {eps2}")
+    _check(d >= 1, f"Clipping threshold d should be >= 1 but is: {d}")
+    cbs = [step_stat, relative_step_size, weight_decay, factored_sqr_grad, adafactor_step]
+    return Optimizer(params, cbs, lr=lr, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, wd=wd, backend=backend)

@@ -178,6 +178,10 @@ CASES: list[Case] = [
          torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True,
                                                 **kw),
          torch_parity=Tol(floor=ROUNDING_FLOOR), compiles=('aot_eager',)),
+    Case('adafactor', build=lambda ps, lr, backend='auto': cbopt.Adafactor(ps, lr, beta2_decay=-0.6, d=1.5, wd=0.1,
+                                                                          backend=backend),
+         torch=lambda ps, lr, **kw: optim.Adafactor(ps, lr=lr, beta2_decay=-0.6, d=1.5, weight_decay=0.1, **kw),
+         torch_parity=Tol(), compiles=('aot_eager',), tensor_scope=True),
     Case('clip-adam', build=lambda ps, lr, backend='auto': cbopt.Optimizer(
         ps, [clip_by_norm, cbopt.average_grad, cbopt.average_sqr_grad, cbopt.step_stat, cbopt.adam_step],
         backend=backend, lr=lr, max_norm=0.05)),

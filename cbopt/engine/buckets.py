@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..chain import param_chain
+from ..chain import chain_scope, param_chain
 from ..tensorlist import TensorList
 
 __all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
@@ -48,15 +48,17 @@ def grad_is_odd(p) -> bool:
 
 
 def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
-    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys).
+    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
+    rank, for a chain that reduces over whole params).
     `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
     out, state = {}, opt.state
     for gi, g in enumerate(opt.param_groups):
+        by_rank = chain_scope(g['cbs']) == 'tensor'  # such a chain may keep state by rank (`chain.declared_for`)
         for p in g['params']:
             if p.grad is None: continue
             if on_odd_grad is not None and grad_is_odd(p): on_odd_grad(opt)
             st = state[p]
-            key = (gi, p.device, p.dtype, _state_key(st))
+            key = (gi, p.device, p.dtype, _state_key(st), p.ndim if by_rank else None)
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
             if b is None: b = out[key] = Bucket(g, [], [])
