@@ -17,7 +17,7 @@ import torch
 from .chain import zeros
 from .warmup import WarmupSchedule
 
-__all__ = ['clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
+__all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
 
 
 def _grads(params: list) -> list:
@@ -58,6 +58,16 @@ clip_grad_norm.scope = 'model'
 clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0)  # fastai's GradientClip defaults
 clip_grad_norm.state = {}
 clip_grad_norm.transient = ('grad_norm',)
+
+
+def grad_norm(params, norm_type=2.0, **kwargs):
+    """Report the total grad norm, changing nothing (torchrec's `track_grad_norm` with VALUE or NONE clipping): it is
+    `opt.step_stats['grad_norm']` and `opt.last_total_grad_norm`, as `clip_grad_norm`'s pre-clip norm is."""
+    return {'grad_norm': total_grad_norm(params, float(norm_type))}
+grad_norm.scope = 'model'
+grad_norm.defaults = dict(norm_type=2.0)
+grad_norm.state = {}
+grad_norm.transient = ('grad_norm',)
 
 
 def clip_grad_value(params, clip_value, **kwargs):

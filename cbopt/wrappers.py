@@ -15,36 +15,41 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from .chain import cb_name
-from .model_callbacks import accumulate_grads, clip_grad_norm, clip_grad_value, skip_nonfinite, warmup
+from .model_callbacks import accumulate_grads, clip_grad_norm, clip_grad_value, grad_norm, skip_nonfinite, warmup
 from .optimizer import Optimizer, rechain
 from .warmup import GradientClipping, WarmupSchedule, WarmupStage
 
 __all__ = ['wrap', 'GradientClippingOptimizer', 'WarmupOptimizer', 'SkipNonFinite', 'Accumulate']
 
 
-def wrap(opt: Optimizer, cb: Callable, **hypers) -> Optimizer:
-    "`opt` with the whole-model callback `cb` first in every group's chain (its `hypers` set in every group)."
+def wrap(opt: Optimizer, *cbs: Callable, **hypers) -> Optimizer:
+    "`opt` with the whole-model callbacks `cbs` first in every group's chain (their `hypers` set in every group)."
     if not isinstance(opt, Optimizer): raise TypeError(f"expected a cbopt.Optimizer, got {type(opt).__name__}")
     if getattr(opt, 'in_backward', False):  # its hooks step each param alone, before any whole-model callback could run
-        raise TypeError(f"the whole-model callback {cb_name(cb)!r} needs every grad at once, but this optimizer steps in "
+        raise TypeError(f"the whole-model callback {cb_name(cbs[0])!r} needs every grad at once, but this optimizer steps in "
                         "backward (cbopt.InBackward), each param alone: step it after backward instead")
-    return rechain(opt, lambda cbs: [cb, *cbs], **hypers)
+    return rechain(opt, lambda chain: [*cbs, *chain], **hypers)
 
 
 def GradientClippingOptimizer(optimizer: Optimizer, clipping: GradientClipping = GradientClipping.NONE,
                               max_gradient: float = 0.1, norm_type: float | str = 2.0,
-                              enable_global_grad_clip: bool = False, param_to_pgs: dict | None = None) -> Optimizer:
+                              enable_global_grad_clip: bool = False, param_to_pgs: dict | None = None,
+                              track_grad_norm: bool = False) -> Optimizer:
     """torchrec's gradient clipping: NORM scales all grads by `min(1, max_gradient / (total_norm + 1e-6))`, VALUE
-    clamps them to `[-max_gradient, max_gradient]`, NONE steps as `optimizer`. The pre-clip norm (NORM) is
-    `opt.last_total_grad_norm`. Sharded global clipping (`enable_global_grad_clip`, `param_to_pgs`) is not supported."""
+    clamps them to `[-max_gradient, max_gradient]`, NONE steps as `optimizer`. The pre-clip norm is
+    `opt.last_total_grad_norm` (and `opt.step_stats['grad_norm']`): with NORM always, with VALUE and NONE when
+    `track_grad_norm` (torchrec's flag: computing it costs a pass over the grads). Sharded global clipping
+    (`enable_global_grad_clip`, `param_to_pgs`) is not supported."""
     if enable_global_grad_clip or param_to_pgs:
         raise NotImplementedError("cbopt's GradientClippingOptimizer clips over the local params only: "
                                   "enable_global_grad_clip / param_to_pgs are not supported")
     clipping = GradientClipping(clipping)
     if clipping is GradientClipping.NORM:
         return wrap(optimizer, clip_grad_norm, max_norm=max_gradient, norm_type=float(norm_type))
-    if clipping is GradientClipping.VALUE: return wrap(optimizer, clip_grad_value, clip_value=max_gradient)
-    return wrap(optimizer, _no_clip)
+    track = dict(norm_type=float(norm_type)) if track_grad_norm else {}
+    if clipping is GradientClipping.VALUE:
+        return wrap(optimizer, *([grad_norm] if track else []), clip_grad_value, clip_value=max_gradient, **track)
+    return wrap(optimizer, grad_norm, **track) if track else wrap(optimizer, _no_clip)
 
 
 def _no_clip(params, **kwargs):

@@ -193,7 +193,7 @@ def test_wrappers_stack_and_report():
 
 
 # -- fastai -------------------------------------------------------------------------------------------------------
-def _fit(opt_func, cbs, bs=8):
+def _learn(opt_func, cbs, bs=8):
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
     from fastai.learner import Learner
@@ -203,6 +203,11 @@ def _fit(opt_func, cbs, bs=8):
     dls = DataLoaders(DataLoader(ds, bs=bs, shuffle=False), DataLoader(ds[:16], bs=bs), device='cpu')
     learn = Learner(dls, model(), loss_func=F.mse_loss, opt_func=opt_func, cbs=cbs)
     with learn.no_logging(), learn.no_bar(): learn.fit(2, lr=0.01)
+    return learn
+
+
+def _fit(opt_func, cbs, bs=8):
+    learn = _learn(opt_func, cbs, bs)
     return [float(v) for v in learn.recorder.losses], learn.recorder.values
 
 
@@ -296,3 +301,59 @@ def test_a_whole_model_wrapper_refuses_an_in_backward_optimizer():
         for wrapper in COMPOSABLE.values():
             with pytest.raises(TypeError, match="InBackward"): wrapper(inbwd)
     finally: inbwd.remove_hooks()
+
+
+def test_fastai_records_step_stats_per_batch():
+    """`RecordStepStats` in a real Learner records, per step, the lr each group used after warmup (torchrec's LINEAR
+    formula on the lr fastai set), the pre-clip norm (torch's get_total_norm of the grads the step got, taken by a
+    callback of our own before the step) and the skips of an accumulation; it pickles with the Learner."""
+    import pickle
+    from fastai.callback.core import Callback
+    from cbopt.integrations.fastai import RecordStepStats
+
+    class TorchNorm(Callback):
+        "The grads each step gets, and their total norm by torch."
+        def before_fit(self): self.grads, self.norms = [], []
+        def before_step(self):
+            self.grads.append([p.grad.clone() for p in self.learn.model.parameters()])
+            self.norms.append(float(torch.nn.utils.get_total_norm(self.grads[-1])))
+
+    def clipped_warmup(ps, **kw):
+        clipped = cbopt.GradientClippingOptimizer(cbopt.Adam(ps, **kw), GradientClipping.VALUE, 0.05, track_grad_norm=True)
+        return cbopt.WarmupOptimizer(clipped, [WarmupStage(WarmupPolicy.LINEAR, max_iters=8, value=0.25)], lr=None)
+    learn = _learn(clipped_warmup, [RecordStepStats(), TorchNorm()])
+    rec = learn.record_step_stats
+    assert len(rec.lrs) == 16 and rec.skipped == [False] * 16
+    assert [len(lrs) for lrs in rec.lrs] == [1] * 16
+    assert [lrs[0] for lrs in rec.lrs] == pytest.approx([0.01 * (0.25 + 0.75 * min(i, 8) / 8) for i in range(16)], rel=1e-12)
+    assert rec.grad_norms == pytest.approx(learn.torch_norm.norms, rel=1e-6)
+    assert len(set(rec.grad_norms)) == 16  # real, changing norms
+    fig = rec.plot()
+    assert list(fig.axes[0].lines[0].get_ydata()) == [lrs[0] for lrs in rec.lrs]
+    assert type(pickle.loads(pickle.dumps(RecordStepStats()))) is RecordStepStats  # learn.export pickles its callbacks
+
+    learn = _learn(lambda ps, **kw: cbopt.Accumulate(cbopt.GradientClippingOptimizer(cbopt.Adam(ps, **kw),
+                                                     GradientClipping.NORM, 0.1), every=2), [RecordStepStats(), TorchNorm()])
+    rec = learn.record_step_stats
+    assert rec.skipped == [True, False] * 8
+    assert rec.grad_norms[::2] == [None] * 8  # a micro-step ends before the clipping: no norm
+    grads = learn.torch_norm.grads  # the clipping sees the mean of two micro-batches' grads
+    means = [float(torch.nn.utils.get_total_norm([(b + a) / 2 for a, b in zip(grads[i], grads[i + 1])])) for i in range(0, 16, 2)]
+    assert rec.grad_norms[1::2] == pytest.approx(means, rel=1e-6)
+
+
+@pytest.mark.parametrize('clipping', [GradientClipping.NONE, GradientClipping.VALUE])
+@pytest.mark.parametrize('norm_type', [2.0, 'inf'])
+def test_track_grad_norm(clipping, norm_type):
+    """torchrec's `track_grad_norm`: with VALUE or NONE the pre-clip norm is computed (torch's get_total_norm of the
+    grads the step got) only when asked; the steps are the same either way."""
+    m, m2 = model(), model()
+    tracked = cbopt.GradientClippingOptimizer(cbopt.Adam(m.parameters(), lr=0.01), clipping, 0.05, norm_type,
+                                              track_grad_norm=True)
+    plain = cbopt.GradientClippingOptimizer(cbopt.Adam(m2.parameters(), lr=0.01), clipping, 0.05, norm_type)
+    for step in range(3):
+        grads(m, step); grads(m2, step)
+        expected = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()], float(norm_type))
+        tracked.step(); plain.step()
+        assert torch.equal(tracked.last_total_grad_norm, expected) and plain.last_total_grad_norm is None
+        for p, q in zip(m.parameters(), m2.parameters()): assert torch.equal(p, q)

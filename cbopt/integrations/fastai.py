@@ -11,6 +11,10 @@
   when fastai's `load_model` is the caller, a checkpoint with no state at all restores the fresh state (as
   `clear_state()`, flags kept) instead of raising.
 
+It also offers `RecordStepStats`, a fastai `Callback` recording what each step used (`opt.step_stats`: the lr of
+every group after warmup and schedulers, the pre-clip grad norm, whether the step was skipped) per batch, for plots
+next to `learn.recorder`'s. It is built on first access, which imports fastai: nothing else here does.
+
 fastai passes neither hint, so both look up the call stack for fastai.learner's frames. This never imports fastai:
 no frame can be fastai's unless `fastai.learner` is already imported. fastai's `Learner.fit` also calls
 `opt.set_hypers(lr=..., wd=...)` and its schedules set `mom`: every cbopt optimizer accepts those.
@@ -24,7 +28,7 @@ import torch
 
 from .. import optimizer as _optimizer
 
-__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model']
+__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model', 'RecordStepStats']
 
 MAX_DEPTH = 10  # frames between fastai's create_opt/load_model and cbopt (opt_func partials, Optimizer.__init__)
 
@@ -60,3 +64,50 @@ def fresh_ok_in_load_model(opt) -> bool:
 
 _optimizer.on_create.append(name_from_learner)
 _optimizer.load_policies.append(fresh_ok_in_load_model)
+
+
+def _record_step_stats_class() -> type:
+    "fastai's `Callback` recording `opt.step_stats` per batch (built on first use: it imports fastai)."
+    from fastai.callback.core import Callback
+
+    class RecordStepStats(Callback):
+        """Record, after each training step, what it used (`learn.opt.step_stats`): `lrs` (one list per step, an lr
+        per group, after warmup and schedulers), `grad_norms` (the pre-clip total norm as a float, None without
+        `clip_grad_norm`/`track_grad_norm`) and `skipped` (a bool: skip_nonfinite or an accumulation micro-step).
+        fastai attaches it as `learn.record_step_stats`; `plot()` draws the lr of each group and the grad norm."""
+        order = 60  # after fastai's ParamScheduler (50) and before the Recorder's after_batch; it records after_step
+
+        def before_fit(self): self.lrs, self.grad_norms, self.skipped = [], [], []
+
+        def after_step(self):
+            st = getattr(self.learn.opt, 'step_stats', None) or {}
+            norm = st.get('grad_norm')
+            self.lrs.append([float(lr) for lr in st.get('lr', [])])
+            self.grad_norms.append(None if norm is None else float(norm))
+            self.skipped.append(bool(st.get('skipped', False)))
+
+        def plot(self, figsize=(10, 3)):
+            "The lr of each group and the grad norm at each step (skipped steps marked), side by side."
+            import matplotlib.pyplot as plt
+            fig, (ax_lr, ax_norm) = plt.subplots(1, 2, figsize=figsize)
+            for i, lrs in enumerate(zip(*self.lrs)): ax_lr.plot(lrs, label=f'group {i}')
+            ax_lr.set(title='lr used', xlabel='step'); ax_lr.legend()
+            steps = [i for i, n in enumerate(self.grad_norms) if n is not None]
+            ax_norm.plot(steps, [self.grad_norms[i] for i in steps])
+            skipped = [i for i, s in enumerate(self.skipped) if s and self.grad_norms[i] is not None]
+            ax_norm.scatter(skipped, [self.grad_norms[i] for i in skipped], c='r', marker='x', label='skipped')
+            ax_norm.set(title='grad norm (pre-clip)', xlabel='step', yscale='log'); ax_norm.legend()
+            return fig
+
+    RecordStepStats.__qualname__ = 'RecordStepStats'  # pickled (learn.export) by this module's name, found through __getattr__
+    return RecordStepStats
+
+
+_BUILT: dict = {}
+
+
+def __getattr__(name: str):
+    "`RecordStepStats` is built, importing fastai, only when asked for."
+    if name != 'RecordStepStats': raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT: _BUILT[name] = _record_step_stats_class()
+    return _BUILT[name]
