@@ -3,7 +3,9 @@
 A whole-model callback `cb(params, groups, **{**param_state, **model_state, **hypers}) -> dict | None` gets the params
 with a grad as a list of `TensorList`s (one per device and dtype, each with `.grad`), so it reduces with foreach kernels
 (`torch.linalg.vector_norm(tl)` is one `torch._foreach_norm`) and one `torch.stack`, never a Python loop over params.
-It declares `scope = 'model'`, its hypers (`defaults`), its own state (`state`: numbers, kept in the group entries as
+A callback changing the grads the rest of the step sees rebinds `tl.grad` out of place (`tl.grad = tl.grad * coef`),
+never writing into it: the engine hands the new grads to the params for the step, then gives each param its own grad
+back (the grad contract: a step leaves the user's `p.grad` as it was). It declares `scope = 'model'`, its hypers (`defaults`), its own state (`state`: numbers, kept in the group entries as
 `'<name>.<key>'`), per-param buffers (`param_state`) and what it returns for one step only (`transient`). Returning
 `skip=True` ends the step with nothing else changed; `hypers=[...]` sets its groups' hypers for this step. See
 `cbopt.chain` and `cbopt.engine` for the contract, `cbopt.wrappers` for torchrec's and fastai-style wrappers.
@@ -52,7 +54,7 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):
     total = total_grad_norm(params, norm_type)
     if params:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for tl in params: tl.grad.mul_(coef.to(tl[0].device))
+        for tl in params: tl.grad = tl.grad * coef.to(tl[0].device)  # out of place: the user's grads stay as they are
     return {'grad_norm': total}
 clip_grad_norm.scope = 'model'
 clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0)  # fastai's GradientClip defaults
@@ -72,7 +74,7 @@ grad_norm.transient = ('grad_norm',)
 
 def clip_grad_value(params, clip_value, **kwargs):
     "Clamp every grad element to `[-clip_value, clip_value]` (torch's `clip_grad_value_`, torchrec's VALUE)."
-    for tl in params: tl.grad.clamp_(-clip_value, clip_value)
+    for tl in params: tl.grad = tl.grad.clamp(-clip_value, clip_value)  # out of place
 clip_grad_value.scope = 'model'
 clip_grad_value.defaults = dict(clip_value=1.0)
 clip_grad_value.state = {}
@@ -103,7 +105,7 @@ def accumulate_grads(params, every, grad_sum, micro_step=0, **kwargs):
         return {'skip': True, 'micro_step': n}
     if every > 1:
         for tl, s in zip(params, grad_sum):
-            tl.grad.add_(s).div_(every)
+            tl.grad = tl.grad.add(s).div_(every)  # a new buffer (the user's grads stay as they are), then in place on it
             s.zero_()
     return {'micro_step': 0}
 accumulate_grads.scope = 'model'

@@ -134,9 +134,10 @@ def test_runs_on_buckets_not_per_param():
 
 # -- clipping -----------------------------------------------------------------------------------------------------
 def torch_reference(m, clip):
-    "Copies of `m`'s params with its grads, clipped by torch's function `clip`, then stepped by torch's SGD (lr 0.1)."
+    """Copies of `m`'s params with its grads (also kept unclipped as `.grad0`), clipped by torch's function `clip`, then
+    stepped by torch's SGD (lr 0.1)."""
     ref = [nn.Parameter(p.detach().clone()) for p in m.parameters()]
-    for q, p in zip(ref, m.parameters()): q.grad = p.grad.clone()
+    for q, p in zip(ref, m.parameters()): q.grad, q.grad0 = p.grad.clone(), p.grad.clone()
     out = clip(ref)
     torch.optim.SGD(ref, lr=0.1).step()
     return ref, out
@@ -152,10 +153,11 @@ def test_clip_grad_norm_is_torchs(backend, norm_type):
     for step, scale in enumerate([1.0, 3.0, 0.01]):
         grads(m, step, scale)
         ref, total = torch_reference(m, lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.3, norm_type))
+        user_grads = [p.grad for p in m.parameters()]
         opt.step()
         assert torch.equal(opt.step_stats['grad_norm'], total) and torch.equal(opt.last_total_grad_norm, total)
-        for p, q in zip(m.parameters(), ref):
-            assert torch.equal(p.grad, q.grad)
+        for p, q, g in zip(m.parameters(), ref, user_grads):
+            assert p.grad is g and torch.equal(p.grad, q.grad0)  # the grad contract: the user's grad, unclipped
             same_step(p, q, backend)
 
 
@@ -169,7 +171,7 @@ def test_clip_grad_value_is_torchs(backend):
         assert any((p.grad.abs() > 0.05).any() for p in m.parameters())  # something to clip
         opt.step()
         for p, q in zip(m.parameters(), ref):
-            assert torch.equal(p.grad, q.grad)
+            assert torch.equal(p.grad, q.grad0)  # the grad contract: the user's grad, unclamped
             same_step(p, q, backend)
 
 

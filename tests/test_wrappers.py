@@ -152,11 +152,12 @@ def test_wrapper_steps_as_torch_clip_then_inner(name, backend):
     sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, ref))
     for step in range(1, 4):
         grads(m, step); grads(ref_m, step)
+        user_grads = [p.grad.clone() for p in m.parameters()]
         clip(list(ref_m.parameters()))
         opt.step(); ref.step()
         sched.step(); ref_sched.step()
-        for p, q in zip(m.parameters(), ref_m.parameters()):
-            assert torch.equal(p.grad, q.grad)
+        for p, q, g in zip(m.parameters(), ref_m.parameters(), user_grads):
+            assert torch.equal(p.grad, g)  # the grad contract: the step left the user's grads as they were
             torch.testing.assert_close(p, q, rtol=0, atol=0) if backend != 'fused' else torch.testing.assert_close(p, q)
 
 
@@ -171,7 +172,9 @@ def test_accumulate_wrapper_steps_every_k(backend):
     for p, q in zip(m.parameters(), before): assert torch.equal(p, q)
     grads(m, 1)
     expected = [q - 0.1 * ((p.grad + a) / 2) for p, q, a in zip(m.parameters(), before, g0)]
+    user_grads = [p.grad.clone() for p in m.parameters()]
     opt.step()
+    for p, g in zip(m.parameters(), user_grads): assert torch.equal(p.grad, g)  # the grad contract
     for p, e in zip(m.parameters(), expected): torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
     assert opt.step_stats['micro_step'] == 0 and opt.step_stats['skipped'] is False
 

@@ -145,7 +145,11 @@ def _run_model_cb(opt, cb, groups: list, snapshots: dict) -> dict:
     bks = model_buckets(opt, groups)
     params = [tl for tl, _ in bks]
     pstate = {k: [type(tl)([s[model_key(cb, k)] for s in states]) for tl, states in bks] for k in per_param}
+    grads = [tl.grad for tl in params]
     out = cb(params, groups=groups, **{**pstate, **model_state, **snapshots[id(g0)]})
+    for tl, before in zip(params, grads):  # grads it rebound (out of place): the rest of the step sees them
+        if tl.grad is not before:
+            for p, g in zip(tl, tl.grad): p.grad = g
     out = dict(out) if isinstance(out, dict) else {}
     allowed = set(declared) | set(getattr(unwrap(cb), 'transient', ())) | set(ENGINE_KEYS)
     for k in out:
@@ -171,6 +175,14 @@ def run_step(opt) -> None:
         return
     check_grads(opt)  # before the whole-model callbacks change anything
     init_model_state(opt, plan)
+    user_grads = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
+    try: _run_model_step(opt, plan)
+    finally:  # the grad contract: whole-model callbacks rebind grads out of place; each param gets its own back
+        for p, grad in user_grads: p.grad = grad
+
+
+def _run_model_step(opt, plan: tuple) -> None:
+    "`run_step` with whole-model callbacks (`plan`: `model_plan(opt)`)."
     overrides: dict = {}
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
     stats: dict = {'skipped': False}
