@@ -88,8 +88,8 @@ def _flatten(params: Any, prefix: str) -> list[tuple[str | None, Any]]:
         elif isinstance(o, torch.Tensor): out.append((f'{prefix}.{i}' if prefix else None, o))
         elif isinstance(o, Mapping) or isinstance(o, (set, frozenset, nn.Module)): out += _flatten(o, prefix)
         elif isinstance(o, tuple) and len(o) == 2 and isinstance(o[1], torch.Tensor):
-            raise TypeError(f"params{_at(prefix)} holds a (name, Tensor) pair at position {i} whose name is a "
-                            f"{type(o[0]).__name__} ({o[0]!r}): param names are strings")
+            raise TypeError(f"params{_at(prefix)} holds a (name, Tensor) pair at position {i} whose name is "
+                            f"{_a(o[0])} ({o[0]!r}): param names are strings")
         else:
             raise TypeError(f"params{_at(prefix)} holds {_a(o)} at position {i}, not a Tensor or a "
                             f"(name, Tensor) pair")

@@ -32,20 +32,21 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
     'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
     'state': (['cbopt/state/*.py'], ['tests/test_state_dict.py', 'tests/test_resume.py', 'tests/test_bad_input.py']),
-    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_bad_input.py']),
+    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
     'engine': (['cbopt/engine/*.py'], ['tests/test_backends.py', 'tests/test_chain.py']),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
 # in the class body while TensorList is being built, where mutmut's trampoline for a method finds no mutant table
-# yet (KeyError '_mutmut_orig': no test could even be collected); `_unary` runs only at import, which happens
-# before mutmut selects a mutant, so none of its mutants could ever be active
+# yet (KeyError '_mutmut_orig': no test could even be collected); `_unary` (and hypers' `_is_in`) run only at
+# import, which happens before mutmut selects a mutant, so none of their mutants could ever be active
 # extra pytest arguments per module: the fused (torch.compile) cases cost seconds of compiling per mutant and run the
 # same Python code as the others in these modules, so the fast modules leave them out
 PYTEST_ARGS: dict[str, list[str]] = {m: ['-k', 'not fused'] for m in ('state', 'hypers', 'params')}
 
-NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary']}
+NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
+               'hypers': ['_is_in']}  # called only at import, building HYPER_RULES: as `_unary`
 
 # what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
 COPY = ['cbopt', 'tests', 'pytest.ini', 'settings.ini', 'setup.py', 'README.md', 'nbs', 'docs']
