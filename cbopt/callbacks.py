@@ -22,9 +22,16 @@ import torch.nn.functional as F
 
 from .chain import copy_of_param, zeros
 
-__all__ = ['weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
+__all__ = ['negate_grad', 'weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
            'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',
            'qhadam_step', 'larc_layer_lr', 'larc_step', 'lamb_step', 'lookahead_keep', 'lookahead_step']
+
+
+def negate_grad(p, **kwargs):
+    "`maximize=True`: the rest of the chain sees `-grad`, so the step climbs the objective; `p.grad` is kept (rebound)."
+    p.grad = p.grad.neg()
+negate_grad.state = {}
+negate_grad.torch_flag = 'maximize'  # first in the chain exactly when torch's group has maximize=True
 
 
 def weight_decay(p, lr, wd, do_wd=True, **kwargs):

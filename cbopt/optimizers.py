@@ -6,19 +6,26 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step, larc_layer_lr,
-                        larc_step, lookahead_keep, lookahead_step, momentum_step, nesterov_step, qhadam_step, radam_step,
-                        rms_prop_step, sgd_step, step_stat, weight_decay)
+from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step,
+                        larc_layer_lr, larc_step, lookahead_keep, lookahead_step, momentum_step, negate_grad, nesterov_step,
+                        qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
 from .engine.kernels import fused_adamw
 from .optimizer import Optimizer, rechain
 
-__all__ = ['adam_chain', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger']
+__all__ = ['adam_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
+           'Lookahead', 'ranger']
 
 
 def _decay(decouple_wd: bool) -> list:
     "Decoupled weight decay (AdamW-style) or L2 regularization (torch's `weight_decay`)."
     return [weight_decay] if decouple_wd else [l2_reg]
+
+
+def maximizing(cbs: list, maximize: bool = True) -> list:
+    """The chain `cbs`, climbing the objective with `maximize` (torch's flag): `negate_grad` first, so the rest of the
+    chain (L2 included, as in torch) sees `-grad`. Listed only when asked, so a minimizing chain pays nothing."""
+    return [negate_grad, *cbs] if maximize else list(cbs)
 
 
 def adam_chain(step: Callable = adam_step, decouple_wd: bool = True, amsgrad: bool = False) -> list:
@@ -29,61 +36,68 @@ def adam_chain(step: Callable = adam_step, decouple_wd: bool = True, amsgrad: bo
 
 
 register_kernel(adam_chain(), fused_adamw)  # cbopt's AdamW is exactly torch's fused AdamW
+register_kernel(maximizing(adam_chain()), partial(fused_adamw, maximize=True))
 
 
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
-        nesterov: bool = False, dampening: float = 0., backend: str = "auto") -> Optimizer:
+        nesterov: bool = False, dampening: float = 0., maximize: bool = False, backend: str = "auto") -> Optimizer:
     "SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay."
     if nesterov and (mom == 0 or dampening != 0): raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     cbs = _decay(decouple_wd)
     if mom != 0: cbs.append(average_grad if dampening == 0 else dampened_grad_avg)
     cbs.append(sgd_step if mom == 0 else nesterov_step if nesterov else momentum_step)
     extra = dict(dampening=dampening) if dampening != 0 else {}
-    return Optimizer(params, cbs, lr=lr, mom=mom, wd=wd, **extra, backend=backend)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, wd=wd, **extra, backend=backend)
 
 
 def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: float = 0.99, eps: float = 1e-8,
-            wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
+            wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
     "RMSProp, with optional momentum on the grads."
     cbs = _decay(decouple_wd) + ([average_sqr_grad] if mom == 0 else [average_grad, average_sqr_grad]) + [rms_prop_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-         wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, backend: str = "auto") -> Optimizer:
+         wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, maximize: bool = False,
+         backend: str = "auto") -> Optimizer:
     """Adam; with `decouple_wd=True` (the default) this is AdamW. `amsgrad=True` steps with the running maximum of the
     second moment (torch's `amsgrad`; state `max_sqr_avg`, torch's `max_exp_avg_sq`)."""
-    return Optimizer(params, adam_chain(adam_step, decouple_wd, amsgrad), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
-                     backend=backend)
+    return Optimizer(params, maximizing(adam_chain(adam_step, decouple_wd, amsgrad), maximize), lr=lr, mom=mom,
+                     sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-          wd: float = 0., beta: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
+          wd: float = 0., beta: float = 0., decouple_wd: bool = True, maximize: bool = False,
+          backend: str = "auto") -> Optimizer:
     "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator)."
-    return Optimizer(params, adam_chain(radam_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, beta=beta,
-                     backend=backend)
+    return Optimizer(params, maximizing(adam_chain(radam_step, decouple_wd), maximize), lr=lr, mom=mom, sqr_mom=sqr_mom,
+                     eps=eps, wd=wd, beta=beta, backend=backend)
 
 
 def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: float = 0.999, nu_1: float = 0.7,
-           nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
+           nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
+           backend: str = "auto") -> Optimizer:
     "Quasi-hyperbolic Adam."
     cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), partial(average_sqr_grad, dampening=True),
                                  step_stat, qhadam_step]
-    return Optimizer(params, cbs, lr=lr, nu_1=nu_1, nu_2=nu_2, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, nu_1=nu_1, nu_2=nu_2, mom=mom, sqr_mom=sqr_mom, eps=eps,
+                     wd=wd, backend=backend)
 
 
 def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = True, trust_coeff: float = 0.02,
-         eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
+         eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
+         backend: str = "auto") -> Optimizer:
     "LARC (`clip=True`) or LARS (`clip=False`): layer-wise adaptive learning rates."
     cbs = _decay(decouple_wd) + ([average_grad] if mom != 0 else []) + [partial(larc_layer_lr, clip=clip), larc_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, trust_coeff=trust_coeff, eps=eps, wd=wd, backend=backend)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, trust_coeff=trust_coeff, eps=eps, wd=wd,
+                     backend=backend)
 
 
 def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
-         wd: float = 0., decouple_wd: bool = True, backend: str = "auto") -> Optimizer:
+         wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
     "LAMB: Adam with a layer-wise trust ratio."
-    return Optimizer(params, adam_chain(lamb_step, decouple_wd), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
-                     backend=backend)
+    return Optimizer(params, maximizing(adam_chain(lamb_step, decouple_wd), maximize), lr=lr, mom=mom, sqr_mom=sqr_mom,
+                     eps=eps, wd=wd, backend=backend)
 
 
 def lookahead(cbs: list) -> list:

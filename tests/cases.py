@@ -178,6 +178,16 @@ CASES: list[Case] = [
          torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True,
                                                 **kw),
          torch_parity=Tol(floor=ROUNDING_FLOOR), compiles=('aot_eager',)),
+    # maximizing: weight decay small enough that no param decays to ~0 (where the kernel's rounding is all there is)
+    Case('adam-maximize', build=lambda ps, lr, backend='auto': cbopt.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6,
+                                                                          wd=0.01, maximize=True, backend=backend),
+         torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, maximize=True,
+                                                **kw),
+         torch_parity=Tol(floor=ROUNDING_FLOOR), has_torch_kernel=True),
+    Case('sgd-maximize', build=lambda ps, lr, backend='auto': cbopt.SGD(ps, lr, mom=0.9, wd=0.1, decouple_wd=False,
+                                                                        maximize=True, backend=backend),
+         torch=lambda ps, lr, **kw: optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.1, maximize=True, **kw),
+         torch_parity=Tol()),  # the loss it climbs grows without bound: rounding grows with it, so no compiled check
     Case('adafactor', build=lambda ps, lr, backend='auto': cbopt.Adafactor(ps, lr, beta2_decay=-0.6, d=1.5, wd=0.1,
                                                                           backend=backend),
          torch=lambda ps, lr, **kw: optim.Adafactor(ps, lr=lr, beta2_decay=-0.6, d=1.5, weight_decay=0.1, **kw),

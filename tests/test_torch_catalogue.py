@@ -190,10 +190,12 @@ def test_torch_state_dict_sets_every_hyper(name):
     assert_rel_close(model, ref, rtol=TOL, msg=f'{name} resumed from torch:', **PER_TENSOR)
 
 
-@pytest.mark.parametrize('flag', ['amsgrad'])
+@pytest.mark.parametrize('flag', ['amsgrad', 'maximize'])
 def test_torch_state_dict_of_another_flag_is_refused(flag):
-    "A torch checkpoint whose flag chooses another algorithm (amsgrad) is refused by name, and nothing changes."
-    ref, ref_opt = torch_run('adam-amsgrad', steps=3)
+    "A torch checkpoint whose flag chooses another algorithm (amsgrad, maximize) is refused by name; nothing changes."
+    ref = make_model()
+    ref_opt = optim.Adam(ref.parameters(), **{flag: True})
+    train(ref_opt, ref, 3)
     model = copy.deepcopy(ref)
     opt = cbopt.Adam(model.named_parameters(), decouple_wd=False)
     train(opt, model, 2)
@@ -204,6 +206,87 @@ def test_torch_state_dict_of_another_flag_is_refused(flag):
     assert after['param_groups'] == before['param_groups']
     assert all(torch.equal(v, after['state'][n][k]) if torch.is_tensor(v) else v == after['state'][n][k]
                for n, st in before['state'].items() for k, v in st.items())
+
+
+MAXIMIZE = FUSED + ['adamw-amsgrad', 'adafactor']  # one config per algorithm, and both Adams
+
+
+def train_keeping_grads(opt, model, steps: int, start: int = 0) -> None:
+    "`train`, checking that every step leaves the user's grads as they were (the grad contract, as torch.optim)."
+    for i in range(start, start + steps):
+        set_grads(model, i)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        for p, g in zip(model.parameters(), grads): assert torch.equal(p.grad, g), "a step changed the user's grad"
+
+
+@pytest.mark.parametrize('name', MAXIMIZE)
+def test_maximize_follows_torch(name):
+    """`maximize=True` against torch's: 40 steps within 1e-5, loop and foreach (bit for bit the loop), the user's
+    grads unchanged by every step; then torch's maximizing state_dict loads into the maximizing twin and goes on."""
+    ours, theirs = partial(CASES[name][0], maximize=True), partial(CASES[name][1], maximize=True)
+    ref = make_model()
+    ref_opt = theirs(ref.parameters())
+    train(ref_opt, ref, STEPS)
+    runs = {}
+    for backend in ('loop', 'foreach'):
+        model = make_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            train_keeping_grads(ours(model.named_parameters(), backend=backend), model, STEPS)
+        runs[backend] = model
+    assert_rel_close(runs['loop'], ref, rtol=TOL, msg=f'{name} maximize vs torch:', **PER_TENSOR)
+    assert_same(runs['foreach'], runs['loop'])
+    minimized = torch_run(name)[0]
+    assert all((p - q).abs().max() > 1e-2 * q.abs().max() for p, q in zip(ref.parameters(), minimized.parameters()))
+    half, half_opt = make_model(), None
+    half_opt = theirs(half.parameters())
+    train(half_opt, half, 20)
+    model = copy.deepcopy(half)
+    opt = ours(model.named_parameters(), backend='loop')
+    opt.load_state_dict(half_opt.state_dict())
+    train(opt, model, 20, start=20)
+    assert_rel_close(model, ref, rtol=TOL, msg=f'{name} maximize resumed from torch:', **PER_TENSOR)
+
+
+FACTORIES = {  # every prebuilt optimizer (fastai's and torch's), with hypers that make every callback act
+    'SGD': partial(cbopt.SGD, lr=0.01, mom=0.9, wd=0.1, decouple_wd=False), 'RMSProp': partial(cbopt.RMSProp, mom=0.8),
+    'Adam': partial(cbopt.Adam, lr=0.01), 'RAdam': partial(cbopt.RAdam, lr=0.01, wd=0.1),
+    'QHAdam': partial(cbopt.QHAdam, lr=0.01), 'Larc': partial(cbopt.Larc, lr=0.01, wd=0.1),
+    'Lamb': partial(cbopt.Lamb, lr=0.01, wd=0.1), 'ranger': partial(cbopt.ranger, lr=0.01),
+    **{name: make for name, (make, _) in CASES.items() if name in MAXIMIZE}}
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+@pytest.mark.parametrize('name', FACTORIES)
+def test_maximize_is_minimizing_the_negated_loss(name, backend):
+    """On every prebuilt optimizer, `maximize=True` on the grads g is, bit for bit, the same optimizer on -g (torch's
+    definition: the grad is negated before anything, L2 included); and the user's grads stay as they were."""
+    up, down = make_model(), make_model()
+    opt_up = FACTORIES[name](up.named_parameters(), maximize=True, backend=backend)
+    opt_down = FACTORIES[name](down.named_parameters(), backend=backend)
+    assert cbopt.negate_grad in opt_up.cbs and cbopt.negate_grad not in opt_down.cbs
+    train_keeping_grads(opt_up, up, 10)
+    for i in range(10):
+        set_grads(down, i)
+        for p in down.parameters(): p.grad = -p.grad
+        opt_down.step()
+    assert_same(up, down)
+    assert not torch.equal(up[0].weight, make_model()[0].weight)
+
+
+def test_maximize_adamw_runs_torchs_fused_kernel(monkeypatch):
+    "A maximizing AdamW still runs as torch's fused kernel (with its maximize flag) under fused and auto, as torch's."
+    calls, kernel = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(k['maximize']) or kernel(*a, **k))
+    ref = make_model()
+    train(optim.AdamW(ref.parameters(), lr=0.01, maximize=True, foreach=False), ref, STEPS)
+    for backend in ('fused', 'auto'):
+        model, calls[:] = make_model(), []
+        train_keeping_grads(cbopt.Adam(model.named_parameters(), lr=0.01, sqr_mom=0.999, eps=1e-8, maximize=True,
+                                       backend=backend), model, STEPS)
+        assert calls == [True] * (STEPS - 1)  # the first step, creating the state, runs eagerly
+        assert_rel_close(model, ref, rtol=TOL, msg=f'{backend}:', **PER_TENSOR)
 
 
 def test_amsgrad_max_is_used():

@@ -34,8 +34,9 @@ def torch_kernel(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
 
 
-def fused_adamw(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
-    "`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b`, or None if it does not apply."
+def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False) -> Callable[[], None] | None:
+    """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
+    `negate_grad`), or None if it does not apply."""
     st, p0 = b.states[0], b.params[0]
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
     if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
@@ -53,6 +54,6 @@ def fused_adamw(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
         torch._fused_adamw_(b.params, [p.grad for p in b.params], [s['grad_avg'] for s in b.states],
                             [s['sqr_avg'] for s in b.states], [], steps, lr=hyper['lr'], beta1=hyper['mom'],
                             beta2=hyper['sqr_mom'], weight_decay=hyper['wd'] if st.get('do_wd', True) else 0.,
-                            eps=hyper['eps'], amsgrad=False, maximize=False)
+                            eps=hyper['eps'], amsgrad=False, maximize=maximize)
         for s in b.states: s['step'] = step
     return run
