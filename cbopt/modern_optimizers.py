@@ -1,4 +1,5 @@
-"""The modern optimizers users install from other packages, as cbopt optimizers: `Lion` (lion-pytorch's `Lion`).
+"""The modern optimizers users install from other packages, as cbopt optimizers: `Lion` (lion-pytorch's `Lion`),
+`Adan` and `AdEMAMix` (pytorch-optimizer's), `StableAdamW` (torch-optimi's).
 
 Each has its reference's defaults and numerics (within float rounding of the reference class, tested step by step).
 Hyper names are fastai's where fastai has the hyper (`mom`/`sqr_mom` for `betas`, `wd` for `weight_decay`, `eps`),
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .callbacks import weight_decay
-from .modern_callbacks import lion_avg, lion_step
-from .optimizer import Optimizer
+from functools import partial
 
-__all__ = ['Lion']
+from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
+from .modern_callbacks import (adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg, lion_step, proximal_decay,
+                               slow_grad_avg, stable_adamw_step, stable_decay, stable_lr)
+from .optimizer import Optimizer
+from .optimizers import _decay
+
+__all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW']
 
 
 def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float = 0.99, wd: float = 0.,
@@ -21,3 +26,36 @@ def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float
     lr * wd` before the step). State: `grad_avg` (its `exp_avg`)."""
     return Optimizer(params, [weight_decay, lion_step, lion_avg], lr=lr, mom=mom, sqr_mom=sqr_mom, wd=wd,
                      backend=backend)
+
+
+def Adan(params: Any, lr: float | slice = 1e-3, mom: float = 0.98, diff_mom: float = 0.92, sqr_mom: float = 0.99,
+         eps: float = 1e-8, wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """pytorch-optimizer's `Adan`: its `betas` are `mom`, `diff_mom`, `sqr_mom`, its `weight_decay` `wd`. Its weight
+    decay is Adan's proximal one (`p /= 1 + lr*wd` after the step) unless `decouple_wd` (its `weight_decouple`: `p *=
+    1 - lr*wd` before). State: `grad_avg`, `diff_avg`, `sqr_avg`, `prev_grad` (its `exp_avg`, `exp_avg_diff`,
+    `exp_avg_sq`, and `previous_grad` with the sign flipped) and `step`. Its `max_grad_norm` is not offered: clip with
+    `cbopt.GradientClippingOptimizer` (torch's formula, not the same eps)."""
+    cbs = ([weight_decay] if decouple_wd else []) + [step_stat, adan_avgs, adan_step] + ([] if decouple_wd else [proximal_decay])
+    return Optimizer(params, cbs, lr=lr, mom=mom, diff_mom=diff_mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+
+
+def AdEMAMix(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.999, slow_mom: float = 0.9999,
+             slow_alpha: float = 5., t_alpha_beta3: float | None = None, eps: float = 1e-8, wd: float = 0.,
+             decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
+    """pytorch-optimizer's `AdEMAMix`: its `betas` are `mom`, `sqr_mom`, `slow_mom` (the slow average's rate), its
+    `alpha` is `slow_alpha` (the slow average's weight; Lookahead's `alpha` is another hyper), `t_alpha_beta3` warms
+    both up over that many steps; `wd` is L2 unless `decouple_wd` (its `weight_decouple`). State: `grad_avg`,
+    `sqr_avg`, `slow_avg` (its `exp_avg`, `exp_avg_sq`, `exp_avg_slow`) and `step`."""
+    cbs = _decay(decouple_wd) + [partial(average_grad, dampening=True), average_sqr_grad, step_stat, slow_grad_avg,
+                                 ademamix_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, slow_mom=slow_mom, slow_alpha=slow_alpha,
+                     t_alpha_beta3=t_alpha_beta3, eps=eps, wd=wd, backend=backend)
+
+
+def StableAdamW(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-6,
+                wd: float = 1e-2, backend: str = "auto") -> Optimizer:
+    """torch-optimi's `StableAdamW`: AdamW whose lr is divided, per param, by the RMS of `grad / sqrt(sqr_avg)` where
+    that exceeds 1, for weight decay and step alike. `mom`, `sqr_mom` are its `betas`, `wd` its `weight_decay`. Its
+    moments are optimi's debiased ones. State: `grad_avg`, `sqr_avg` (its `exp_avg`, `exp_avg_sq`) and `step`."""
+    cbs = [step_stat, debiased_avgs, stable_lr, stable_decay, stable_adamw_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)

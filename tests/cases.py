@@ -200,6 +200,14 @@ CASES: list[Case] = [
     Case('lion-prebuilt', build=lambda ps, lr, backend='auto': cbopt.Lion(ps, tenth(lr), mom=0.8, sqr_mom=0.95, wd=0.1,
                                                                           backend=backend),
          compiles=('aot_eager',)),
+    Case('adan', build=lambda ps, lr, backend='auto': cbopt.Adan(ps, lr, mom=0.9, diff_mom=0.8, sqr_mom=0.95, wd=0.1,
+                                                                 backend=backend), compiles=('aot_eager',)),
+    Case('ademamix', build=lambda ps, lr, backend='auto': cbopt.AdEMAMix(ps, lr, mom=0.8, sqr_mom=0.95, slow_mom=0.99,
+                                                                         t_alpha_beta3=20, wd=0.1, backend=backend),
+         compiles=('aot_eager',)),
+    Case('stableadamw', build=lambda ps, lr, backend='auto': cbopt.StableAdamW(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-3,
+                                                                               wd=0.1, backend=backend),
+         compiles=('aot_eager',), tensor_scope=True),
 ]
 
 BY_ID: dict[str, Case] = {c.id: c for c in CASES}

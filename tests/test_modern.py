@@ -24,11 +24,38 @@ def _lion(ps, **kw):
     return Lion(ps, **kw)
 
 
+def _pytorch_optimizer(name, ps, **kw):
+    import pytorch_optimizer
+    return getattr(pytorch_optimizer, name)(ps, **kw)
+
+
+def _optimi(name, ps, lr=1e-3, **kw):
+    import optimi
+    return getattr(optimi, name)(ps, lr=lr, **kw)
+
+
 # id: (cbopt builder, reference builder, rtol), the same algorithm and hypers; non-default hypers far from the defaults
 CASES = {
     'lion':    (cbopt.Lion, _lion, 1e-6),
     'lion-wd': (partial(cbopt.Lion, lr=3e-3, mom=0.8, sqr_mom=0.95, wd=0.5),
                 partial(_lion, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.5), 1e-6),
+    'adan':    (cbopt.Adan, partial(_pytorch_optimizer, 'Adan'), 1e-6),
+    'adan-wd': (partial(cbopt.Adan, lr=1e-2, mom=0.9, diff_mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.3),
+                partial(_pytorch_optimizer, 'Adan', lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-6, weight_decay=0.3,
+                        foreach=False), 1e-6),
+    'adan-decoupled': (partial(cbopt.Adan, lr=1e-2, wd=0.3, decouple_wd=True),
+                       partial(_pytorch_optimizer, 'Adan', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
+    'ademamix': (cbopt.AdEMAMix, partial(_pytorch_optimizer, 'AdEMAMix'), 1e-6),
+    'ademamix-warmup-l2': (partial(cbopt.AdEMAMix, lr=1e-2, mom=0.8, sqr_mom=0.95, slow_mom=0.99, slow_alpha=3.,
+                                   t_alpha_beta3=30, wd=0.1),  # 30 < 50 steps: the warmup ends within the run
+                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.,
+                                   t_alpha_beta3=30, weight_decay=0.1, foreach=False), 1e-6),
+    'ademamix-decoupled': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, decouple_wd=True),
+                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
+    'stableadamw': (cbopt.StableAdamW, partial(_optimi, 'StableAdamW'), 1e-6),
+    'stableadamw-hypers': (partial(cbopt.StableAdamW, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-3, wd=0.3),  # clips 28 of 200
+                           partial(_optimi, 'StableAdamW', lr=3e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3,
+                                   foreach=False), 1e-6),
 }
 
 
@@ -60,7 +87,7 @@ def test_loop_and_foreach_follow_the_reference(name):
     assert_same_params(each, loop, msg=f'{name} foreach vs loop:')
 
 
-@pytest.mark.parametrize('name', ['lion'])
+@pytest.mark.parametrize('name', ['lion', 'adan', 'ademamix', 'stableadamw'])
 def test_fastai_opt_func(name):
     "As a fastai `opt_func`, it trains a Learner as the reference class does through fastai's `OptimWrapper`."
     Learner = pytest.importorskip('fastai.learner').Learner
