@@ -1,0 +1,324 @@
+"""Loading checkpoints, one rule at a time (issue #14, mutation testing of `cbopt/state/`): each way a state_dict
+can be wrong gives its own whole message (what the user reads to fix it) and changes nothing; each conversion a
+load makes (torch's tensor step counts, torch's and fastai's names, numbers of another type) gives the value worked
+out here. `test_state_dict.py` and `test_resume.py` check that real checkpoints resume exactly."""
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cbopt
+from cbopt.state import named_state_dict, prepare_load, split_flags, to_named
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))  # 0.weight (2, 3), 0.bias, 1.weight (1, 2), 1.bias
+
+
+def grads(ps, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in ps: p.grad = torch.randn(p.shape, generator=g)
+
+
+def adam(steps: int = 2, groups: bool = False, **kw) -> cbopt.Optimizer:
+    m = model()
+    named = list(m.named_parameters())
+    opt = cbopt.Adam([named[:2], named[2:]] if groups else named, lr=0.01, **kw)
+    for i in range(steps):
+        grads(opt.params, i)
+        opt.step()
+    return opt
+
+
+def snapshot(opt) -> tuple:
+    return ({n: copy.deepcopy(dict(opt.state[p])) for n, p in zip(opt.param_names, opt.params) if p in opt.state},
+            [dict(h) for h in opt.hypers])
+
+
+def refused(opt, sd, exc, message: str) -> None:
+    "Loading `sd` raises `exc` with exactly `message` and leaves `opt` as it was."
+    before = snapshot(opt)
+    with pytest.raises(exc) as e: opt.load_state_dict(sd)
+    got = e.value.args[0] if exc is KeyError else str(e.value)
+    assert got == message
+    after = snapshot(opt)
+    assert after[1] == before[1] and after[0].keys() == before[0].keys()
+    for n in before[0]:
+        for k, v in before[0][n].items():
+            assert torch.equal(v, after[0][n][k]) if torch.is_tensor(v) else v == after[0][n][k]
+
+
+# -- what a state_dict is -----------------------------------------------------------------------------------------
+def test_not_a_state_dict() -> None:
+    opt = adam()
+    refused(opt, [1, 2], TypeError, "expected a state_dict with a 'state' entry, got list")
+    refused(opt, {'param_groups': []}, TypeError, "expected a state_dict with a 'state' entry, got dict")
+    refused(opt, {'state': {}}, ValueError, "the state_dict has no 'param_groups'")
+    sd = opt.state_dict()
+    sd['param_groups'][0]['params'][1] = 1.5
+    refused(opt, sd, ValueError, "the state_dict's param groups list params that are neither FQNs (str) nor torch ids (int)")
+    assert to_named(opt, opt.state_dict())[1] == 'cbopt'
+
+
+# -- cbopt's own format -------------------------------------------------------------------------------------------
+def test_group_errors() -> None:
+    opt = adam(groups=True)
+    sd = opt.state_dict()
+    one = copy.deepcopy(sd)
+    one['param_groups'] = one['param_groups'][:1]
+    refused(opt, one, ValueError, "the state_dict has 1 param groups, this optimizer 2")
+    moved = copy.deepcopy(sd)
+    moved['param_groups'][1]['params'].remove('1.bias')
+    moved['param_groups'][0]['params'].append('1.bias')
+    refused(opt, moved, ValueError, "param '1.bias' is in group 0 of the state_dict but in group 1 here")
+    ghost = copy.deepcopy(sd)
+    ghost['param_groups'][1]['params'].append('ghost')
+    refused(opt, ghost, KeyError, "unknown param 'ghost' in the state_dict's group 1: this optimizer has no such param")
+    gone = copy.deepcopy(sd)
+    gone['param_groups'][1]['params'].remove('1.bias')
+    refused(opt, gone, KeyError, "param '1.bias' (group 1) is missing from the state_dict")
+    ghost_state = copy.deepcopy(sd)
+    ghost_state['state']['ghost'] = {}
+    refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: this optimizer has no such param")
+
+
+def test_another_chain_is_refused_per_group() -> None:
+    opt = adam(groups=True)
+    sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).state_dict()
+    sd['param_groups'] = [{**sd['param_groups'][0], 'params': ['0.weight', '0.bias']},
+                          {**sd['param_groups'][0], 'params': ['1.weight', '1.bias']}]
+    chain = opt.state_dict()['param_groups'][0]['chain']
+    theirs = sd['param_groups'][0]['chain']
+    refused(opt, sd, ValueError, f"param group 0 ('0.weight', '0.bias') was saved by the chain [{theirs}], but runs "
+                                 f"[{chain}] here: its state belongs to another algorithm")
+    del sd['param_groups'][0]['chain'], sd['param_groups'][1]['chain']  # no chain named: the state keys tell
+    sd['state'] = {'0.weight': {'grad_avg': torch.zeros(2, 3)}}
+    refused(opt, sd, ValueError, "param '0.weight' has state keys ['grad_avg'] in the state_dict but "
+                                 "['grad_avg', 'sqr_avg', 'step'] here: it was saved by a different algorithm")
+
+
+def test_state_value_errors() -> None:
+    opt = adam()
+    sd = opt.state_dict()
+    cases = [
+        ('sqr_avg', [1.], TypeError, "state 'sqr_avg' of param '1.bias' is a list in the state_dict, a Tensor here"),
+        ('sqr_avg', torch.zeros(2), ValueError, "state 'sqr_avg' of param '1.bias' has shape (2,) in the state_dict, (1,) here"),
+        ('sqr_avg', torch.zeros(1, dtype=torch.int32), TypeError,
+         "state 'sqr_avg' of param '1.bias' has dtype torch.int32 in the state_dict, torch.float32 here"),
+        ('sqr_avg', torch.zeros(1, dtype=torch.complex64), TypeError,
+         "state 'sqr_avg' of param '1.bias' has dtype torch.complex64 in the state_dict, torch.float32 here"),
+        ('step', 'two', TypeError, "state 'step' of param '1.bias' is a str in the state_dict, a number here"),
+        ('step', torch.ones(2), TypeError, "state 'step' of param '1.bias' is a Tensor in the state_dict, a number here"),
+    ]
+    for key, value, exc, message in cases:
+        bad = copy.deepcopy(sd)
+        bad['state']['1.bias'][key] = value
+        refused(opt, bad, exc, message)
+
+
+def test_a_transposed_state_of_as_many_elements_is_refused() -> None:
+    opt = adam()
+    sd = opt.state_dict()
+    sd['state']['0.weight']['grad_avg'] = sd['state']['0.weight']['grad_avg'].t().contiguous()
+    refused(opt, sd, ValueError, "state 'grad_avg' of param '0.weight' has shape (3, 2) in the state_dict, (2, 3) here")
+
+
+def test_numbers_load_as_the_type_the_optimizer_keeps() -> None:
+    "A step count saved as a float, a 1-element tensor or a numpy number loads as the int this optimizer keeps."
+    src = adam(steps=3)
+    for saved in (3.0, torch.tensor(3.), torch.tensor([3]), np.int64(3)):
+        sd = src.state_dict()
+        for s in sd['state'].values(): s['step'] = saved
+        opt = adam(steps=1)
+        opt.load_state_dict(sd)
+        assert all(type(opt.state[p]['step']) is int and opt.state[p]['step'] == 3 for p in opt.params), saved
+
+
+def test_loaded_tensors_take_the_params_dtype_and_are_copies() -> None:
+    src = adam()
+    sd = src.state_dict()
+    sd['state']['0.weight']['grad_avg'] = sd['state']['0.weight']['grad_avg'].double()
+    opt = adam(steps=0)
+    opt.load_state_dict(sd)
+    got = opt.state[opt.params[0]]['grad_avg']
+    assert got.dtype == torch.float32 and torch.equal(got, sd['state']['0.weight']['grad_avg'].float())
+    sd['state']['0.weight']['grad_avg'].add_(1)          # the checkpoint changes after the load: the optimizer does not
+    assert torch.equal(got, src.state[src.params[0]]['grad_avg'])
+
+
+def test_missing_state_restarts_only_by_choice() -> None:
+    """A param with state here and none in the checkpoint is an error naming it; a checkpoint of a fresh optimizer
+    (no state at all, as fastai's lr_find saves) restarts every param when `fresh_ok`."""
+    opt = adam()
+    sd = opt.state_dict()
+    del sd['state']['1.bias']
+    refused(opt, sd, ValueError, "the state_dict has no state for param '1.bias', which has state here "
+                                 "(['grad_avg', 'sqr_avg', 'step']): loading it would silently restart '1.bias'; "
+                                 "call clear_state() first")
+    fresh = adam(steps=0).state_dict()
+    state, hypers = prepare_load(opt, fresh, fresh_ok=True)
+    assert all(s == {} for s in state.values()) and len(state) == 4 and hypers[0]['lr'] == 0.01
+    with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.weight'"): prepare_load(opt, fresh)
+    half = adam(steps=0).state_dict()
+    half['state'] = {'0.weight': sd['state']['0.weight']}
+    with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.bias'"):
+        prepare_load(opt, half, fresh_ok=True)  # some state: not a fresh checkpoint
+
+
+def test_state_for_a_param_that_keeps_none() -> None:
+    opt = cbopt.SGD(model().named_parameters(), lr=0.1)  # plain SGD: no state
+    sd = opt.state_dict()
+    sd['state']['1.bias'] = {'grad_avg': torch.zeros(1)}
+    refused(opt, sd, ValueError, "the state_dict has state ['grad_avg'] for param '1.bias', but this optimizer keeps "
+                                 "no state for it")
+
+
+def test_hypers_of_a_checkpoint_are_checked_but_initial_lr() -> None:
+    opt = adam()
+    sd = opt.state_dict()
+    sd['param_groups'][0]['lr'] = float('nan')
+    refused(opt, sd, ValueError, "Invalid learning rate: nan (group 0) (expected lr >= 0, finite)")
+    sd['param_groups'][0]['lr'] = 0.5
+    sd['param_groups'][0]['initial_lr'] = 0.25  # what torch's LR schedulers add: loaded as it is
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]['lr'] == 0.5 and opt.param_groups[0]['initial_lr'] == 0.25
+
+
+def test_flags_stay_the_receiving_optimizers() -> None:
+    "do_wd and force_train are the model's (fastai's Learner sets them): a load keeps this optimizer's."
+    src, opt = adam(), adam()
+    src.state[src.params[1]]['do_wd'] = False
+    opt.state[opt.params[2]]['force_train'] = True
+    opt.load_state_dict(src.state_dict())
+    assert 'do_wd' not in opt.state[opt.params[1]] and opt.state[opt.params[2]]['force_train'] is True
+    assert split_flags({'do_wd': False, 'step': 3, 'force_train': True}) == ({'step': 3}, {'do_wd': False, 'force_train': True})
+
+
+def test_named_state_dict_is_a_plain_snapshot() -> None:
+    opt = adam()
+    opt.param_groups[0]['lr'] = np.float32(0.5)
+    opt.state[opt.params[0]]['step'] = np.int64(2)
+    sd = named_state_dict(opt)
+    assert type(sd['param_groups'][0]['lr']) is float and type(sd['state']['0.weight']['step']) is int
+    assert sd['param_groups'][0]['params'] == ['0.weight', '0.bias', '1.weight', '1.bias']
+    assert set(sd['param_groups'][0]) == {'lr', 'mom', 'sqr_mom', 'eps', 'wd', 'chain', 'params'}
+    t = sd['state']['0.weight']['grad_avg']
+    assert t is not opt.state[opt.params[0]]['grad_avg'] and torch.equal(t, opt.state[opt.params[0]]['grad_avg'])
+    fresh = adam(steps=0)
+    assert named_state_dict(fresh)['state'] == {}
+
+
+# -- torch.optim's format -----------------------------------------------------------------------------------------
+def torch_adam(steps: int = 2, **kw) -> tuple[torch.optim.Optimizer, nn.Module]:
+    m = model()
+    t = torch.optim.Adam(m.parameters(), **kw)
+    for i in range(steps):
+        grads(list(m.parameters()), i)
+        t.step()
+    return t, m
+
+
+def test_torch_state_dict_is_renamed() -> None:
+    "torch's ids become FQNs, exp_avg/exp_avg_sq become grad_avg/sqr_avg, betas mom/sqr_mom, a tensor step an int."
+    t, m = torch_adam(lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6)
+    opt = adam(steps=0)
+    named, origin = to_named(opt, t.state_dict())
+    assert origin == 'torch'
+    assert named['param_groups'] == [{'lr': 0.02, 'mom': 0.8, 'sqr_mom': 0.95, 'wd': 0.1, 'eps': 1e-6,
+                                      'params': ['0.weight', '0.bias', '1.weight', '1.bias']}]
+    assert list(named['state']) == ['0.weight', '0.bias', '1.weight', '1.bias']
+    st = named['state']['1.weight']
+    assert set(st) == {'grad_avg', 'sqr_avg', 'step'} and st['step'] == 2 and type(st['step']) is int
+    assert torch.equal(st['grad_avg'], t.state[m[1].weight]['exp_avg'])
+    assert torch.equal(st['sqr_avg'], t.state[m[1].weight]['exp_avg_sq'])
+
+
+def test_torch_rmsprop_state_dict_loads() -> None:
+    "torch counts RMSprop's steps, which cbopt's RMSProp does not keep: the extra `step` is dropped, not an error."
+    m = model()
+    t = torch.optim.RMSprop(m.parameters(), lr=0.01, alpha=0.9, eps=1e-8)
+    grads(list(m.parameters()), 0)
+    t.step()
+    opt = cbopt.RMSProp(model().named_parameters(), lr=0.5, sqr_mom=0.5)
+    opt.load_state_dict(t.state_dict())
+    assert opt.hypers[0]['sqr_mom'] == 0.9 and opt.hypers[0]['lr'] == 0.01
+    for p, q in zip(opt.params, m.parameters()):
+        assert set(split_flags(opt.state[p])[0]) == {'sqr_avg'}
+        assert torch.equal(opt.state[p]['sqr_avg'], t.state[q]['square_avg'])
+
+
+def test_torch_state_dict_errors() -> None:
+    t, _ = torch_adam()
+    opt = adam(groups=True)
+    refused(opt, t.state_dict(), ValueError, "the torch.optim state_dict has 1 param groups, this optimizer 2")
+    opt = adam()
+    sd = t.state_dict()
+    sd['param_groups'][0]['params'] = [0, 1, 2]
+    refused(opt, sd, ValueError, "param group 0 has 3 params in the torch.optim state_dict, 4 here")
+    sd = t.state_dict()
+    sd['state'][7] = sd['state'].pop(3)
+    refused(opt, sd, ValueError, "the torch.optim state_dict has state for param id 7, which no group lists")
+
+
+def test_torch_state_with_param_names() -> None:
+    """torch's `param_names` must match a named optimizer's, position by position; a positional (unnamed) optimizer
+    takes the ids in order whatever their names."""
+    m = model()
+    t = torch.optim.Adam(m.named_parameters())
+    grads(list(m.parameters()), 0)
+    t.step()
+    sd = t.state_dict()
+    sd['param_groups'][0]['param_names'] = ['a', 'b', 'c', 'd']
+    opt = adam(steps=0)
+    refused(opt, sd, ValueError, "param 0 of group 0 is 'a' in the torch.optim state_dict but '0.weight' here")
+    plain = cbopt.Adam(model().parameters())
+    plain.load_state_dict(sd)
+    assert all(plain.state[p]['step'] == 1 for p in plain.params)
+
+
+def test_torch_none_state_is_skipped() -> None:
+    "torch saves some optional state as None (e.g. a momentum buffer before its first step): nothing to load."
+    m = model()
+    t = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    grads(list(m.parameters()), 0)
+    t.step()
+    sd = t.state_dict()
+    sd['state'][3]['momentum_buffer'] = None
+    opt = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9)
+    named, _ = to_named(opt, sd)
+    assert named['state']['1.bias'] == {} and set(named['state']['0.weight']) == {'grad_avg'}
+
+
+# -- fastai's format ----------------------------------------------------------------------------------------------
+def fastai_sd(opt) -> dict:
+    "`opt`'s state as fastai's Optimizer.state_dict lays it out: state by position, one hypers dict per group."
+    return {'state': [dict(opt.state.get(p, {})) for p in opt.params], 'hypers': [dict(h) for h in opt.hypers]}
+
+
+def test_fastai_state_dict_errors() -> None:
+    opt = adam(groups=True)
+    sd = fastai_sd(opt)
+    assert to_named(opt, sd)[1] == 'fastai'
+    refused(opt, {**sd, 'hypers': sd['hypers'][:1]}, ValueError, "the fastai state_dict has 1 param groups, this optimizer 2")
+    refused(opt, {**sd, 'state': sd['state'][:3]}, ValueError,
+            "the fastai state_dict has state for 3 params, this optimizer has 4")
+    refused(opt, {**sd, 'slow_weights': [[torch.zeros(1)]], 'count': 1}, ValueError,
+            "the fastai state_dict has slow weights for 1 params, this optimizer has 4")
+
+
+def test_fastai_lookahead_slow_weights_become_slow_p() -> None:
+    "fastai's Lookahead keeps one step count and the slow weights per group; each param gets its own `slow_p`, `la_step`."
+    m = model()
+    opt = cbopt.Lookahead(cbopt.SGD(m.named_parameters(), lr=0.1))
+    slow = [[torch.full(p.shape, float(i)) for i, p in enumerate(m.parameters())]]
+    sd = {'state': [{} for _ in range(4)], 'hypers': [dict(h) for h in opt.hypers], 'slow_weights': slow, 'count': 3}
+    named, origin = to_named(opt, sd)
+    assert origin == 'fastai'
+    for i, n in enumerate(['0.weight', '0.bias', '1.weight', '1.bias']):
+        assert named['state'][n]['la_step'] == 3 and torch.equal(named['state'][n]['slow_p'], slow[0][i])
