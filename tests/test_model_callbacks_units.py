@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cbopt
-from cbopt import accumulate_grads, clip_grad_norm, clip_grad_value, skip_nonfinite
+from cbopt import accumulate_grads, clip_grad_norm, clip_grad_value, grad_norm, skip_nonfinite
 
 LR = 0.1
 
@@ -54,6 +54,16 @@ def test_clip_grad_norm_norm_type(norm_type, total) -> None:
     coef = 2. / (total + 1e-6)
     close(ps, 1. - LR * 3. * coef, 2. + LR * 4. * coef)
     assert opt.step_stats['grad_norm'].item() == pytest.approx(total, rel=1e-12)
+
+
+@pytest.mark.parametrize('norm_type, total', [(1., 7.), (2., 5.), (math.inf, 4.)])
+def test_grad_norm_reports_and_changes_nothing(norm_type, total) -> None:
+    ps = params(1., 2.)
+    opt = cbopt.Optimizer(ps, [grad_norm, cbopt.sgd_step], lr=LR, norm_type=norm_type)
+    step(opt, ps, 3., -4.)
+    close(ps, 1. - LR * 3., 2. + LR * 4.)
+    assert opt.step_stats['grad_norm'].item() == pytest.approx(total, rel=1e-12)
+    assert cbopt.Optimizer(params(1.), [grad_norm, cbopt.sgd_step]).hypers[0]['norm_type'] == 2.
 
 
 def test_clip_grad_norm_defaults_are_fastais() -> None:

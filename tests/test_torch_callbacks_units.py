@@ -1,16 +1,18 @@
-"""One test per callback of `cbopt.torch_callbacks` (issue #14 item 3), as `test_callbacks.py` does for fastai's: a
-one-element float64 param (Rprop's: three elements, one per branch) with a hand-chosen grad and state, and the
-expected numbers worked out in the test from torch's documented update rules (never with the callbacks' own helpers
-such as `debias`). `test_torch_catalogue.py` checks the same callbacks against torch.optim over many steps; these
-pin each formula on its own, where a wrong constant cannot hide behind another callback of the chain."""
+"""One test per callback of `cbopt.torch_callbacks`, and of torch's `maximize`/`amsgrad` callbacks (issue #14 item
+3), as `test_callbacks.py` does for fastai's: a one-element float64 param (Rprop's: three elements, one per branch;
+Adafactor's factored moment: a 2x2 matrix) with a hand-chosen grad and state, and the expected numbers worked out in
+the test from torch's documented update rules (never with the callbacks' own helpers such as `debias`).
+`test_torch_catalogue.py` checks the same callbacks against torch.optim over many steps; these pin each formula on
+its own, where a wrong constant cannot hide behind another callback of the chain."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from cbopt.torch_callbacks import (adadelta_step, adagrad_step, adamax_step, asgd_step, inf_norm_grad, nadam_step,
-                                   rprop_step, sqr_grad_sum)
+from cbopt.callbacks import adam_step, amsgrad_max, negate_grad
+from cbopt.torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
+                                   inf_norm_grad, nadam_step, relative_step_size, rprop_step, sqr_grad_sum)
 
 
 def T(*xs: float) -> torch.Tensor:
@@ -172,3 +174,88 @@ def test_rprop_first_step_sizes_are_the_lr() -> None:
     out = rprop_step(P((1.,), (2.,)), lr=0.1, etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50., step=1)
     close(out['step_size'], 0.1), close(out['prev_grad'], 2.)
     assert rprop_step.defaults == dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
+
+
+# -- Adafactor -----------------------------------------------------------------------------------------------------
+def test_relative_step_size() -> None:
+    "step_size = max(eps2, rms(p)) * min(lr, 1 / sqrt(step))"
+    p = P((3.,), (1.,))
+    close(relative_step_size(p, lr=0.1, step=4, eps2=1e-3)['step_size'], 3. * 0.1)   # lr is the smaller
+    close(relative_step_size(p, lr=1., step=4, eps2=1e-3)['step_size'], 3. * 0.5)    # 1/sqrt(4) is the smaller
+    close(relative_step_size(P((3., 4.), (1., 1.)), lr=1., step=1, eps2=1e-3)['step_size'], math.sqrt(12.5))
+    close(relative_step_size(P((1e-4,), (1.,)), lr=0.1, step=1, eps2=1e-3)['step_size'], 1e-3 * 0.1)  # the floor
+    close(p, 3.)
+
+
+def test_factored_sqr_grad_of_a_vector_is_in_full() -> None:
+    "Fewer than 2 dims: variance = lerp(variance, g^2, step^beta2_decay); at step 1 the weight is 1."
+    p = P((1.,), (2.,))
+    out = factored_sqr_grad(p, step=1, beta2_decay=-0.8)
+    assert set(out) == {'variance'}
+    close(out['variance'], 4.)
+    out = factored_sqr_grad(p, step=4, beta2_decay=-0.5, variance=T(1.))
+    close(out['variance'], 1. + 0.5 * (4. - 1.))
+    grad_untouched(p, 2.)
+
+
+def test_factored_sqr_grad_of_a_matrix_keeps_row_and_column_means() -> None:
+    "2 dims: the mean of g^2 over each row (shape (2, 1)) and over each column (shape (1, 2)), averaged the same way."
+    p = torch.zeros(2, 2, dtype=torch.float64)
+    p.grad = torch.tensor([[1., 2.], [3., 4.]], dtype=torch.float64)
+    out = factored_sqr_grad(p, step=1, beta2_decay=-0.8)
+    assert set(out) == {'row_var', 'col_var'}
+    torch.testing.assert_close(out['row_var'], torch.tensor([[2.5], [12.5]], dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(out['col_var'], torch.tensor([[5., 10.]], dtype=torch.float64), rtol=1e-12, atol=0)
+    out = factored_sqr_grad(p, step=4, beta2_decay=-0.5, row_var=out['row_var'], col_var=torch.zeros(1, 2, dtype=torch.float64))
+    torch.testing.assert_close(out['row_var'], torch.tensor([[2.5], [12.5]], dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(out['col_var'], torch.tensor([[2.5, 5.]], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_adafactor_step_clips_the_updates_rms_to_d() -> None:
+    "update = g / sqrt(variance); p -= step_size * update / max(1, rms(update) / d)"
+    p = P((1.,), (2.,))
+    adafactor_step(p, step_size=0.1, d=1., eps1=1e-30, variance=T(4.))   # update 1, rms 1: not clipped
+    close(p, 1. - 0.1)
+    p = P((1.,), (2.,))
+    adafactor_step(p, step_size=0.1, d=0.5, eps1=1e-30, variance=T(4.))  # rms 1 > d: halved
+    close(p, 1. - 0.05)
+    p = P((1.,), (2.,))
+    adafactor_step(p, step_size=0.1, d=1., eps1=0.5, variance=T(0.))     # the variance is floored at eps1^2
+    close(p, 1. - 0.1 * 2. / 0.5 / 4.)                                      # update 4, rms 4 > d: divided by 4
+    grad_untouched(p, 2.)
+    assert adafactor_step.defaults == dict(d=1., eps1=None)
+
+
+def test_adafactor_step_of_a_matrix_from_its_factors() -> None:
+    "v = row_var @ col_var / mean(row_var): the outer product of the factors over the rows' mean."
+    g = [[1., 2.], [3., 4.]]
+    p = torch.zeros(2, 2, dtype=torch.float64)
+    p.grad = torch.tensor(g, dtype=torch.float64)
+    rows, cols = [2.5, 12.5], [5., 10.]
+    v = [[rows[i] * cols[j] / 7.5 for j in range(2)] for i in range(2)]
+    update = [[g[i][j] / math.sqrt(v[i][j]) for j in range(2)] for i in range(2)]
+    assert math.sqrt(sum(u * u for r in update for u in r) / 4) < 1    # under d: not clipped
+    adafactor_step(p, step_size=0.1, d=1., eps1=1e-30, row_var=torch.tensor([[2.5], [12.5]], dtype=torch.float64),
+                   col_var=torch.tensor([[5., 10.]], dtype=torch.float64))
+    torch.testing.assert_close(p, -0.1 * torch.tensor(update, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+# -- torch's maximize and amsgrad flags --------------------------------------------------------------------------------
+def test_negate_grad_rebinds_the_grad() -> None:
+    "The rest of the chain sees -g; the user's grad tensor is not written."
+    p = P((1.,), (2.,))
+    user_grad = p.grad
+    assert negate_grad(p) is None
+    close(p.grad, -2.)
+    assert p.grad is not user_grad and torch.equal(user_grad, T(2.))
+
+
+def test_amsgrad_max_and_adam_step_with_it() -> None:
+    "max_sqr_avg = max(max_sqr_avg, sqr_avg); Adam then divides by sqrt(max_sqr_avg / (1 - beta2^step)) + eps."
+    p = P((1.,), (2.,))
+    close(amsgrad_max(p, sqr_avg=T(0.3), max_sqr_avg=T(0.5))['max_sqr_avg'], 0.5)
+    close(amsgrad_max(p, sqr_avg=T(0.7), max_sqr_avg=T(0.5))['max_sqr_avg'], 0.7)
+    close(amsgrad_max(p, sqr_avg=T(0.2))['max_sqr_avg'], 0.2)
+    adam_step(p, lr=0.1, mom=0.9, step=1, sqr_mom=0.99, grad_avg=T(0.2), sqr_avg=T(0.01), eps=0.01, max_sqr_avg=T(0.04))
+    close(p, 1. - 0.1 / 0.1 * 0.2 / (math.sqrt(0.04 / 0.01) + 0.01))
+    grad_untouched(p, 2.)

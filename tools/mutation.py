@@ -34,7 +34,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py']),
     'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
-    'engine': (['cbopt/engine/*.py'], ['tests/test_backends.py', 'tests/test_chain.py']),
+    'engine': (['cbopt/engine/*.py'], ['tests/test_engine_units.py', 'tests/test_chain.py', 'tests/test_backends.py',
+                                       'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py']),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
@@ -45,10 +46,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 # set_hyper, load), so their tests run in the loop backend only (the fused cases alone cost seconds of compiling per
 # mutant); the engine's leave out the long parity runs, which the engine's unit tests stand in for (see docs/mutation.md)
 ONE_BACKEND = ['-k', 'not fused and not foreach and not auto']
-PYTEST_ARGS: dict[str, list[str]] = {'state': ONE_BACKEND, 'hypers': ONE_BACKEND, 'params': ONE_BACKEND}
+PYTEST_ARGS: dict[str, list[str]] = {'state': ONE_BACKEND, 'hypers': ONE_BACKEND, 'params': ONE_BACKEND,
+                                     'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
-               'hypers': ['_is_in']}  # called only at import, building HYPER_RULES: as `_unary`
+               'hypers': ['_is_in'],     # called only at import, building HYPER_RULES: as `_unary`
+               'engine': ['register_kernel']}  # called only at import, by cbopt.optimizers
 
 # what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
 COPY = ['cbopt', 'tests', 'pytest.ini', 'settings.ini', 'setup.py', 'README.md', 'nbs', 'docs']
