@@ -29,7 +29,7 @@ def test_table_json_png(quick_run):
     assert set(results['cases']) == {'gpt2', 'grid', 'lion'}
     names = [f'cbopt {b}' for b in results['backends']]
     assert 'loop' in results['backends']
-    assert list(results['cases']['gpt2']['results']) == [*names, 'torch fused', 'torch foreach', 'torch loop', 'fastai']
+    assert list(results['cases']['gpt2']['results']) == [*names, 'cbopt auto, compiled step', 'torch fused', 'torch foreach', 'torch loop', 'fastai']
     assert list(results['cases']['lion']['results']) == names
     for case in results['cases'].values():
         for name, r in case['results'].items():

@@ -121,9 +121,18 @@ def adam_contenders(backends: list[str]) -> dict[str, Callable]:
     kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
     torch_adamw = lambda **mode: lambda ps: torch.optim.AdamW([p for _, p in ps], **kw, **mode).step
     cb = lambda b: lambda ps: cbopt.Adam(ps, **ADAM, **backend_kw(b)).step
-    return {**{f'cbopt {b}': cb(b) for b in backends},
+    return {**{f'cbopt {b}': cb(b) for b in backends}, 'cbopt auto, compiled step': compiled_step(cb('auto')),
             'torch fused': torch_adamw(fused=True), 'torch foreach': torch_adamw(foreach=True),
             'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
+
+
+def compiled_step(factory: Callable) -> Callable:
+    """torch's compiled-optimizer recipe (`@torch.compile def step(): opt.step()`) around a contender: against the same
+    optimizer's eager row, what compiling the step costs or gains (cbopt's step is one graph break: it runs eagerly)."""
+    def make(ps):
+        step = factory(ps)
+        return torch.compile(lambda: step())
+    return make
 
 
 def fastai_adam(ps) -> Callable[[], None]:

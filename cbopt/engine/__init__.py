@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+import torch
+
 from ..chain import ENGINE_KEYS, _cb_sig, cb_name, chain_name, model_key, model_param_state, split_chain, unwrap
 from ..hypers import Hypers
 from .auto import auto_bucket
@@ -164,9 +166,16 @@ def _hypers(g, overrides: Mapping) -> dict:
     return {**h, **overrides[id(g)]} if id(g) in overrides else h
 
 
+@torch._dynamo.disable(reason="cbopt's step runs eagerly under an outer torch.compile: its own backends (the fused one "
+                        "compiles the chain with dynamic lr and step) do the compiling")
 def run_step(opt) -> None:
     """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
-    callbacks (see the module docstring); then refresh `opt.step_stats`."""
+    callbacks (see the module docstring); then refresh `opt.step_stats`.
+
+    Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) this
+    is one graph break: the step runs as in eager mode, with `opt`'s backend. Traced by dynamo, a step count or lr
+    held as a Python number would be guarded on and recompile every step, and the engine's bookkeeping (bucketing,
+    probes, timing) would be traced too; `backend='fused'` compiles the chain itself, with dynamic lr and step."""
     plan = model_plan(opt)
     if not (plan[0] or plan[1]):
         snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
