@@ -6,6 +6,7 @@ they can never drift apart. torch's names for fastai hypers (`momentum` for `mom
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from numbers import Integral, Number, Real
@@ -19,10 +20,49 @@ from fastcore.foundation import L
 from .chain import chain_name, chain_reads
 
 __all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
-           'ALIASES', 'is_model_entry', 'model_entries']
+           'ALIASES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
+# torch.optim's names of fastai's hypers, accepted wherever hypers are given (keywords, group dicts) and stored under
+# cbopt's names: a tuple of names takes a sequence of as many values (`betas=(0.9, 0.99)`: `mom`, `sqr_mom`)
+TORCH_NAMES: dict[str, str | tuple[str, ...]] = {'weight_decay': 'wd', 'betas': ('mom', 'sqr_mom')}
+
+
+def from_torch_names(hypers: Mapping, names: Mapping[str, str | tuple[str, ...]] = TORCH_NAMES, where: str = '') -> dict:
+    """`hypers` with torch's names (`names`, default `TORCH_NAMES`) replaced by cbopt's: `weight_decay` is `wd`, `betas`
+    are `mom` and `sqr_mom`. Giving a hyper under both names with different values is an error (one would silently
+    win); so is a `betas` that is not a pair. `where` (' (group 1)') is named in the message."""
+    out = {k: v for k, v in hypers.items() if k not in names}
+    for k, canon in names.items():
+        if k not in hypers: continue
+        v = hypers[k]
+        if isinstance(canon, tuple):
+            if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, '__len__') or len(v) != len(canon):
+                raise ValueError(f"{k}{where} must be a sequence of {len(canon)} values ({', '.join(canon)}), got {v!r}")
+            pairs = list(zip(canon, v))
+        else: pairs = [(canon, v)]
+        for c, cv in pairs:
+            if c in out and not _same(out[c], cv):
+                raise ValueError(f"{k}={v!r}{where} and {c}={out[c]!r} name one hyper: give one")
+            out[c] = cv
+    return out
+
+
+def torch_keywords(**extra: str | tuple[str, ...]) -> Callable:
+    """Decorate an optimizer factory with fastai's names so that it also takes torch's as keywords: `weight_decay`,
+    `betas`, `momentum`, and `extra`, the factory's own (RMSProp: `alpha='sqr_mom'`). Its signature stays its own."""
+    names = {**TORCH_NAMES, 'momentum': 'mom', **extra}
+    def decorate(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def with_torch_names(*args, **kwargs): return factory(*args, **from_torch_names(kwargs, names))
+        return with_torch_names
+    return decorate
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor): return a is b
+    return a == b
 
 
 def is_model_entry(k: Any) -> bool:

@@ -13,7 +13,8 @@ from fastcore.foundation import L
 from . import engine
 from .chain import around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain
 from .engine import Backend, as_backend
-from .hypers import ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, is_model_entry, model_entries
+from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
+                     model_entries)
 from .params import check_params, named_groups
 from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
 
@@ -34,7 +35,6 @@ def _as_chain(cbs: Callable | Iterable[Callable]) -> list:
 # fastai's hyper names: a fastai Learner sets `lr`, `wd` and (its schedules) `mom` on every optimizer, and `sqr_mom`
 # and `eps` are every Adam-like's. An optimizer accepts them even where its chain does not read them.
 STANDARD_HYPERS = ('lr', 'mom', 'sqr_mom', 'wd', 'eps')
-TORCH_NAMES = {'weight_decay': 'wd', 'betas': 'mom and sqr_mom'}  # torch's hyper names, for a hint
 
 
 def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
@@ -43,8 +43,7 @@ def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
     for k in names:
         if k in reads or k in NOT_HYPERS or k in ALIASES or is_model_entry(k): continue
         close = difflib.get_close_matches(k, sorted(reads), n=2)
-        hint = (f"cbopt's name for torch's {k!r} is {TORCH_NAMES[k]}" if k in TORCH_NAMES else
-                f"did you mean {' or '.join(map(repr, close))}?" if close else f"the callbacks read {sorted(reads)}")
+        hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"the callbacks read {sorted(reads)}"
         raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 
 
@@ -74,7 +73,7 @@ class Optimizer(torch.optim.Optimizer):
         for alias, canon in ALIASES.items():
             if alias in defaults and canon in defaults and defaults[alias] != defaults[canon]:
                 raise ValueError(f"{alias}={defaults[alias]!r} and {canon}={defaults[canon]!r} name one hyper")
-        defaults = {ALIASES.get(k, k): v for k, v in defaults.items()}
+        defaults = {ALIASES.get(k, k): v for k, v in from_torch_names(defaults).items()}
         groups = [self._with_chain(g) for g in groups]
         _check_read(defaults, [self.cbs, *(g['cbs'] for g in groups)], '')
         for i, g in enumerate(groups):  # a group dict's own hypers, against its own chain

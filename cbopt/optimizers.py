@@ -11,6 +11,7 @@ from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, 
                         qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
 from .engine.kernels import fused_adamw
+from .hypers import torch_keywords
 from .optimizer import Optimizer, rechain
 
 __all__ = ['adam_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
@@ -39,6 +40,7 @@ register_kernel(adam_chain(), fused_adamw)  # cbopt's AdamW is exactly torch's f
 register_kernel(maximizing(adam_chain()), partial(fused_adamw, maximize=True))
 
 
+@torch_keywords()
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
         nesterov: bool = False, dampening: float = 0., maximize: bool = False, backend: str = "auto") -> Optimizer:
     "SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay."
@@ -50,6 +52,7 @@ def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., 
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, wd=wd, **extra, backend=backend)
 
 
+@torch_keywords(alpha='sqr_mom')
 def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: float = 0.99, eps: float = 1e-8,
             wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
     "RMSProp, with optional momentum on the grads."
@@ -57,6 +60,7 @@ def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: flo
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, maximize: bool = False,
          backend: str = "auto") -> Optimizer:
@@ -66,6 +70,7 @@ def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float
                      sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
           wd: float = 0., beta: float = 0., decouple_wd: bool = True, maximize: bool = False,
           backend: str = "auto") -> Optimizer:
@@ -74,6 +79,7 @@ def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: floa
                      eps=eps, wd=wd, beta=beta, backend=backend)
 
 
+@torch_keywords()
 def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: float = 0.999, nu_1: float = 0.7,
            nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
            backend: str = "auto") -> Optimizer:
@@ -84,6 +90,7 @@ def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: f
                      wd=wd, backend=backend)
 
 
+@torch_keywords()
 def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = True, trust_coeff: float = 0.02,
          eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
          backend: str = "auto") -> Optimizer:
@@ -93,6 +100,7 @@ def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = T
                      backend=backend)
 
 
+@torch_keywords()
 def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
     "LAMB: Adam with a layer-wise trust ratio."
@@ -113,6 +121,7 @@ def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     return rechain(opt, lookahead, k=k, alpha=alpha)
 
 
+@torch_keywords()
 def ranger(params: Any, lr: float | slice = 1e-3, mom: float = 0.95, wd: float = 0.01, eps: float = 1e-6, k: int = 6,
            alpha: float = 0.5, backend: str = "auto", **kwargs) -> Optimizer:
     "RAdam with Lookahead (fastai's `ranger`)."

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, check_hyper
+from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, TORCH_NAMES, check_hyper, from_torch_names
 
 __all__ = ['named_groups', 'check_params', 'is_group_dict']
 
@@ -76,7 +76,7 @@ def _flatten(params: Any, prefix: str) -> list[tuple[str | None, Any]]:
         return out
     if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
         hint = ''
-        if prefix.rpartition('.')[2] in (*HYPER_RULES, *ALIASES) and isinstance(params, (int, float)):
+        if prefix.rpartition('.')[2] in (*HYPER_RULES, *ALIASES, *TORCH_NAMES) and isinstance(params, (int, float)):
             hint = f" (is {prefix.rpartition('.')[2]!r} a hyper of a group dict that has no 'params' entry?)"
         raise TypeError(f"params{_at(prefix)} is {_a(params)}, not a Tensor, a dict or an iterable of them{hint}")
     out = []
@@ -127,10 +127,12 @@ def _split_groups(params: Any) -> list[dict]:
 def named_groups(params: Any, start: int = 0) -> list[dict]:
     """Group dicts with `params` (tensors) and `param_names` (FQNs) from any accepted form of `params`.
     Unnamed params get their position among all params (counting from `start`) as a stable name; a group dict's own
-    `param_names` (as torch's `param_groups` hold them) name its params."""
+    `param_names` (as torch's `param_groups` hold them) name its params. torch's hyper names in a group dict
+    (`weight_decay`, `betas`) become cbopt's (`cbopt.hypers.from_torch_names`)."""
     groups, pos = [], start
     for i, g in enumerate(_split_groups(params)):
         _check_aliases(g, i)  # here, before the group becomes a ParamGroup (which keeps the two equal)
+        g = from_torch_names(g, where=f' (group {i})')
         pairs = _flatten(g['params'], '')
         names = [str(pos + j) if name is None else name for j, (name, _) in enumerate(pairs)]
         if g.get('param_names') is not None:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
+from .hypers import torch_keywords
 from .optimizer import Optimizer
 from .optimizers import _decay, maximizing
 from .torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
@@ -26,6 +27,7 @@ def _check(ok: bool, msg: str) -> None:
     if not ok: raise ValueError(msg)
 
 
+@torch_keywords()
 def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial_accumulator_value: float = 0.,
             eps: float = 1e-10, wd: float = 0., decouple_wd: bool = False, maximize: bool = False,
             backend: str = "auto") -> Optimizer:
@@ -38,6 +40,7 @@ def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial
                      initial_accumulator_value=initial_accumulator_value, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords(rho='sqr_mom')
 def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: float = 1e-6, wd: float = 0.,
              decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
     """torch.optim.Adadelta: `sqr_mom` is torch's `rho`, `wd` its `weight_decay`. State: `sqr_avg` (torch's
@@ -46,6 +49,7 @@ def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: fl
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def Adamax(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
            wd: float = 0., decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
     """torch.optim.Adamax: `mom`, `sqr_mom` are torch's `betas`, `wd` its `weight_decay`. State: `grad_avg` (torch's
@@ -54,6 +58,7 @@ def Adamax(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: flo
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords(decoupled_weight_decay='decouple_wd')
 def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
           momentum_decay: float = 4e-3, wd: float = 0., decouple_wd: bool = False, maximize: bool = False,
           backend: str = "auto") -> Optimizer:
@@ -65,6 +70,7 @@ def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: floa
                      momentum_decay=momentum_decay, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
          wd: float = 0., decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
     """torch.optim.ASGD (`wd` is its `weight_decay`). The averaged params, torch's `state[p]['ax']`, are
@@ -75,6 +81,7 @@ def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: floa
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, lambd=lambd, alpha=alpha, t0=t0, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.5, 1.2),
           step_sizes: tuple[float, float] = (1e-6, 50), wd: float = 0., decouple_wd: bool = False,
           maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -88,6 +95,7 @@ def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.
                      step_size_min=step_size_min, step_size_max=step_size_max, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def Adafactor(params: Any, lr: float | slice = 1e-2, beta2_decay: float = -0.8,
               eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, wd: float = 0.,
               maximize: bool = False, backend: str = "auto") -> Optimizer:
