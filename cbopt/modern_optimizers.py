@@ -14,12 +14,14 @@ from functools import partial
 from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
 from .modern_callbacks import (adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg, lion_step, proximal_decay,
                                slow_grad_avg, stable_adamw_step, stable_decay, stable_lr)
+from .hypers import torch_keywords
 from .optimizer import Optimizer
 from .optimizers import _decay
 
 __all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW']
 
 
+@torch_keywords()  # lion-pytorch's betas and weight_decay too
 def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float = 0.99, wd: float = 0.,
          backend: str = "auto") -> Optimizer:
     """lion-pytorch's `Lion`: `mom`, `sqr_mom` are its `betas`, `wd` its `weight_decay`, decoupled as there (`p *= 1 -

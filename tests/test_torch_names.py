@@ -58,3 +58,12 @@ def test_given_twice_is_an_error_and_changes_nothing():
     with pytest.raises(ValueError, match=r"weight_decay=0\.1 \(group 0\) and wd=0\.2 name one hyper"):
         opt.add_param_group({'params': [torch.zeros(2, requires_grad=True)], 'wd': 0.2, 'weight_decay': 0.1})
     assert [dict(h) for h in opt.hypers] == before and len(opt.param_groups) == 1
+
+
+def test_lion_takes_lion_pytorchs_names():
+    "lion-pytorch's keywords (betas, weight_decay) give its numbers."
+    from lion_pytorch import Lion
+    m, ref = make_model(), make_model()
+    train(cbopt.Lion(m.parameters(), lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1), m, 10)
+    train(Lion(ref.parameters(), lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1), ref, 10)
+    assert_rel_close(m, ref, rtol=1e-5)
