@@ -8,7 +8,7 @@ CPU, so the compiled chain is checked for the cases that name a compiler in `Cas
 steps with changing lrs; `CBOPT_SLOW=1` runs every case both ways."""
 import functools
 import os
-import time
+import types
 import warnings
 
 import pytest
@@ -267,15 +267,17 @@ def test_state_interchange(c, first):
 @pytest.mark.parametrize('slow', ['loop', 'foreach'])
 def test_auto_keeps_the_faster_runner(slow, monkeypatch):
     """On CPU, auto times foreach and loop on each bucket layout for `auto_trials` steps each, then keeps the faster.
-    One runner is made slower by 0.1 s a call (a tiny bucket steps in well under a millisecond): after the trials,
-    auto only calls the other, and the results stay the loop's bit for bit."""
-    calls = []
+    auto's clock is a fake one that each runner's call advances, by 1 s for the `slow` one and 1 ms for the other, so
+    the outcome does not depend on the machine's load: after the trials, auto only calls the other, and the results
+    stay the loop's bit for bit."""
+    calls, clock = [], [0.]
     def wrap(name, run):
         def timed(*a):
             calls.append(name)
-            if name == slow: time.sleep(0.1)
+            clock[0] += 1. if name == slow else 1e-3
             return run(*a)
         return timed
+    monkeypatch.setattr(auto_runner, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
     for name, run in list(auto_runner.RUNNERS.items()): monkeypatch.setitem(auto_runner.RUNNERS, name, wrap(name, run))
     trials = cbopt.Backend().auto_trials
     ours, ref = make_model(), make_model()

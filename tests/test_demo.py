@@ -109,4 +109,4 @@ def _with_first_cb(opt, cb):
 
 def test_import_cbopt_does_not_need_matplotlib():
     code = "import sys, cbopt, cbopt.cli.demo; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
-    subprocess.run([sys.executable, '-c', code], check=True, timeout=60)
+    subprocess.run([sys.executable, '-c', code], check=True, timeout=600)  # importing torch alone can take a minute on a loaded machine

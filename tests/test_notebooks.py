@@ -21,7 +21,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     # cwd is a tmp dir, so nothing is written next to the notebooks (their docs/*.png are only saved from nbs/)
-    client = NotebookClient(nb, timeout=120, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}})
+    client = NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}})
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', []) if o.output_type == 'error']
     assert not errors

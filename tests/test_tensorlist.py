@@ -7,6 +7,7 @@ checks the BucketError contract: what has no one value for a whole bucket raises
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -660,8 +661,12 @@ def test_error_messages() -> None:
                          "'TensorList' object has no attribute 'not_a_tensor_attribute', nor has a tensor"),
                         (lambda: x.__array_struct__, AttributeError,
                          "'TensorList' object has no attribute '__array_struct__'"),
+                        (lambda: make(shapes=[(1,)]).item(), BucketError,  # a bucket of one param: one value, still per param
+                         "an op gave float values per param, which a bucket cannot hold as one value"),
                         (lambda: tensorlist._zip_call(torch.add, ([[x]], 1), {}), BucketError,
-                         "add got TensorLists nested deeper than one list")):
+                         "add got TensorLists nested deeper than one list"),
+                        (lambda: tensorlist._zip_call(functools.partial(torch.add), ([[x]], 1), {}), BucketError,
+                         f"{functools.partial(torch.add)} got TensorLists nested deeper than one list")):
         with pytest.raises(err) as e: f()
         assert str(e.value) == msg
 
