@@ -24,6 +24,7 @@ from .warmup import GradientClipping, WarmupPolicy, WarmupStage
 from .wrappers import Accumulate, GradientClippingOptimizer, SkipNonFinite, WarmupOptimizer
 from .combined import CombinedOptimizer
 from .in_backward import InBackward
+from .pure import FunctionalError, FunctionalOptimizer, functional
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
@@ -31,4 +32,4 @@ __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers
            *_torch_callbacks_all, *_torch_optimizers_all, *_modern_callbacks_all, *_modern_optimizers_all,
            *_model_callbacks_all,
            'GradientClipping', 'WarmupPolicy', 'WarmupStage', 'GradientClippingOptimizer', 'WarmupOptimizer',
-           'SkipNonFinite', 'Accumulate']
+           'SkipNonFinite', 'Accumulate', 'functional', 'FunctionalOptimizer', 'FunctionalError']

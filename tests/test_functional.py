@@ -1,0 +1,417 @@
+"""`cbopt.functional`: the pure init/update form of every chain, tried the way the optax maintainers asked: "try to
+break it with vmap, grad and jit".
+
+- every case of the registry (`cases.py`): `update` follows the Optimizer step for step, with the same state names
+  and values (converted both ways), under vmap (or a FunctionalError naming the callback that cannot batch), and
+  differentiably (autograd and finite differences agree, with respect to the params and to the lr);
+- vmap over a `stack_module_state` ensemble equals N separate `cbopt.Adam` runs; `vmap(init)`;
+- `torch.compile(update, fullgraph=True)`: no graph break, equal to eager, no recompile as the lr and step change;
+- hypergradient descent and meta-learning unrolls, through `torch.autograd.grad` and `torch.func.grad`;
+- purity: inputs unchanged; bad input raises an error naming the culprit.
+"""
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+import cbopt
+from cbopt.chain import cb_name, is_model_cb
+from cases import CASES, case, clip_by_norm
+from conftest import make_model
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+F64 = torch.float64
+SLOW = bool(os.environ.get('CBOPT_SLOW'))
+
+
+TEACHER = torch.randn(6, 3, generator=torch.Generator().manual_seed(7))
+
+
+def batch(step: int, dtype=torch.float32, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    "Batch `step` of a fixed regression task for `make_model`'s 6-8-3 MLP (a tanh teacher, a little noise)."
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(n, 6, generator=g)
+    return x.to(dtype), (torch.tanh(x @ TEACHER) + 0.1 * torch.randn(n, 3, generator=g)).to(dtype)
+
+
+def loss_fn(model: nn.Module):
+    "`loss(params, step)`: the MSE of `model` run with `params` on batch `step`."
+    dtype = next(model.parameters()).dtype
+    def loss(params, step):
+        x, y = batch(step, dtype)
+        return F.mse_loss(functional_call(model, params, (x,)), y)
+    return loss
+
+
+def detached(model: nn.Module) -> dict: return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def assert_close(actual: dict, expected: dict, rtol: float, msg: str = '') -> None:
+    "Every tensor within `rtol` of its reference's own largest magnitude."
+    assert actual.keys() == expected.keys(), msg
+    for k, e in expected.items():
+        err, scale = (actual[k] - e).abs().max().item(), e.abs().max().item()
+        assert err <= rtol * max(scale, 1e-30), f"{msg} {k}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+def ensemble(n: int, dtype=torch.float32) -> list[nn.Module]:
+    return [make_model(seed=s, dtype=dtype) for s in range(n)]
+
+
+def functional_of(c, lr: float = 1e-2) -> cbopt.FunctionalOptimizer:
+    return cbopt.functional(lambda ps: c.build(ps, lr, 'loop'))
+
+
+def model_cbs(c) -> list[str]:
+    opt = c.build([torch.zeros(1, requires_grad=True)], 1e-2, 'loop')
+    return [cb_name(cb) for cb in opt.param_groups[0]['cbs'] if is_model_cb(cb)]
+
+
+# -- every case of the registry ------------------------------------------------------------------------------------
+@pytest.mark.parametrize('c', CASES, ids=str)
+def test_update_is_the_optimizer(c):
+    """12 steps of `update` against the Optimizer (loop) in float64 on real, param-dependent grads: the same params,
+    and the same state (names, step counts as numbers, tensors) through `to_state_dict`; `from_state_dict` gives the
+    state back; an Optimizer loading `to_state_dict` continues as `update` does."""
+    if names := model_cbs(c):
+        with pytest.raises(cbopt.FunctionalError, match=names[0]): functional_of(c)
+        return
+    model = make_model(dtype=F64)
+    ref = copy.deepcopy(model)
+    opt = c.build(ref.named_parameters(), 1e-2, 'loop')
+    fopt, loss = functional_of(c), loss_fn(model)
+    params = detached(model)
+    state = fopt.init(params)
+    for i in range(12):
+        params, state = fopt.update(params, grad(loss)(params, i), state)
+        opt.zero_grad()
+        loss(dict(ref.named_parameters()), i).backward()
+        opt.step()
+        assert_close(params, dict(ref.named_parameters()), 1e-12, f"{c} step {i}:")
+    theirs, ours = opt.state_dict(), fopt.to_state_dict(state)
+    assert ours['state'].keys() == theirs['state'].keys()
+    for n, st in theirs['state'].items():
+        assert st.keys() == ours['state'][n].keys(), n
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor): assert_close({k: ours['state'][n][k]}, {k: v}, 1e-12, f"{c} {n}")
+            else: assert type(ours['state'][n][k]) is type(v) and ours['state'][n][k] == v, (n, k)
+    back = fopt.from_state_dict(theirs, params)
+    assert back.keys() == state.keys()
+    for n in params: assert_close(back[n], state[n], 1e-12, f"{c} from_state_dict {n}:")
+    other = copy.deepcopy(ref)
+    opt2 = c.build(other.named_parameters(), 1e-2, 'loop')
+    opt2.load_state_dict(ours)
+    for i in range(12, 15):
+        params, state = fopt.update(params, grad(loss)(params, i), state)
+        opt2.zero_grad()
+        loss(dict(other.named_parameters()), i).backward()
+        opt2.step()
+    assert_close(params, dict(other.named_parameters()), 1e-12, f"{c} after loading to_state_dict:")
+
+
+def mse(model: nn.Module):
+    "`mse(params, x, y)` of `model`'s architecture (a meta copy: only its structure is used)."
+    base = copy.deepcopy(model).to('meta')
+    return lambda p, x, y: F.mse_loss(functional_call(base, p, (x,)), y)
+
+
+def vmap_vs_optimizers(fopt, models: list, build, steps: int, rtol: float) -> dict:
+    """`steps` of vmap(update) over the stacked `models`, member j on batches `j, n + j, 2n + j...`, next to one
+    Optimizer per model (`build(named_params)`) on the same batches; checks every member's params at the end."""
+    n, dtype = len(models), next(models[0].parameters()).dtype
+    refs = [copy.deepcopy(m) for m in models]
+    opts = [build(r.named_parameters()) for r in refs]
+    loss = mse(models[0])
+    params = {k: v.detach() for k, v in stack_module_state(models)[0].items()}
+    state = vmap(fopt.init)(params)
+    for i in range(steps):
+        xs, ys = zip(*(batch(n * i + j, dtype) for j in range(n)))
+        x, y = torch.stack(xs), torch.stack(ys)
+        params, state = vmap(fopt.update)(params, vmap(grad(loss))(params, x, y), state)
+        for j, (r, o) in enumerate(zip(refs, opts)):
+            o.zero_grad()
+            loss(dict(r.named_parameters()), x[j], y[j]).backward()
+            o.step()
+    for j, r in enumerate(refs):
+        assert_close({k: v[j] for k, v in params.items()}, dict(r.named_parameters()), rtol, f"member {j}:")
+    return state
+
+
+@pytest.mark.parametrize('c', CASES, ids=str)
+def test_vmap_every_case(c):
+    """`vmap(init)` and `vmap(update)` over an ensemble of 3 models equal 3 Optimizers, each on its own batches; or
+    the error names a callback of the chain that cannot batch (Python control flow on the step count, a tensor here)."""
+    if model_cbs(c): return  # refused when built: test_update_is_the_optimizer
+    fopt = functional_of(c)
+    try: vmap_vs_optimizers(fopt, ensemble(3, F64), lambda ps: c.build(ps, 1e-2, 'loop'), 8, 1e-12)
+    except cbopt.FunctionalError as e:
+        assert any(f"callback {cb_name(cb)!r}" in str(e) for cb in fopt.cbs), str(e)
+
+
+def unroll(fopt, loss, params: dict, lr, steps: int, backprop: str) -> torch.Tensor:
+    """`steps` updates, each on the grads of the loss at the current params (so the grads depend on the lr and the
+    start), then the loss on a held-out batch: the objective of hypergradient descent and of meta-learning."""
+    state = fopt.init(params)
+    for i in range(steps):
+        if backprop == 'autograd':
+            g = dict(zip(params, torch.autograd.grad(loss(params, i), list(params.values()), create_graph=True)))
+        else: g = grad(loss)(params, i)
+        params, state = fopt.update(params, g, state, lr=lr)
+    return loss(params, 99)
+
+
+@pytest.mark.parametrize('c', CASES, ids=str)
+def test_differentiable_every_case(c):
+    """d(held-out loss after 5 updates) / d(start params) along a random direction, and / d(lr), by autograd through
+    `update` (float64) equal central finite differences of the whole unroll."""
+    if model_cbs(c): return
+    model = make_model(dtype=F64)
+    fopt, loss, p0 = functional_of(c), loss_fn(model), detached(model)
+    lr0 = fopt.defaults['lr']
+    gen = torch.Generator().manual_seed(0)
+    v = {k: torch.randn(p.shape, generator=gen, dtype=F64) for k, p in p0.items()}
+    start = lambda s: {k: (p + s * v[k]).requires_grad_() for k, p in p0.items()}
+    f = lambda s, lr: unroll(fopt, loss, start(s), lr, 5, 'autograd')
+    lr = torch.tensor(lr0, dtype=F64, requires_grad=True)
+    ps = start(0.)
+    out = unroll(fopt, loss, ps, lr, 5, 'autograd')
+    # the differentiable (functionalized) update computes what the plain one does
+    assert out.item() == pytest.approx(unroll(fopt, loss, p0, lr0, 5, 'func').item(), rel=1e-12)
+    *gp, glr = torch.autograd.grad(out, [*ps.values(), lr])
+    along = sum((g * v[k]).sum() for g, k in zip(gp, ps)).item()
+    scale = sum((g * v[k]).abs().sum() for g, k in zip(gp, ps)).item()  # the terms' size: the sum may cancel
+    h = 1e-7  # small: Lion's sign() jumps where an element crosses 0, which happens within 1e-6 of this start
+    fd_params = ((f(h, lr0) - f(-h, lr0)) / (2 * h)).item()
+    fd_lr = ((f(0., lr0 * (1 + h)) - f(0., lr0 * (1 - h))) / (2 * h * lr0)).item()
+    assert abs(along - fd_params) <= 1e-6 * scale, (along, fd_params, scale)
+    assert glr.item() == pytest.approx(fd_lr, rel=1e-6)
+
+
+# -- vmap --------------------------------------------------------------------------------------------------------
+def test_vmap_ensemble_is_n_adams():
+    """`vmap(update)` over a `stack_module_state` ensemble of 5 MLPs (float32), each on its own data, equals 5
+    separate `cbopt.Adam` runs (default backend: torch's fused kernel) within 1e-6 over 30 steps."""
+    fopt = cbopt.functional(cbopt.Adam, lr=1e-2, wd=0.1)
+    state = vmap_vs_optimizers(fopt, ensemble(5), lambda ps: cbopt.Adam(ps, lr=1e-2, wd=0.1), 30, 1e-6)
+    assert state['0.weight']['step'].tolist() == [30.] * 5
+
+
+def test_vmap_init_is_each_init():
+    "vmap(init) stacks each member's init: Lookahead's slow weights are each member's own params."
+    fopt = cbopt.functional(lambda ps: cbopt.Lookahead(cbopt.Adam(ps)))
+    models = ensemble(3)
+    params = {k: v.detach() for k, v in stack_module_state(models)[0].items()}
+    state = vmap(fopt.init)(params)
+    for j, m in enumerate(models):
+        one = fopt.init(detached(m))
+        for n in one:
+            for k, v in one[n].items(): assert torch.equal(state[n][k][j], v), (n, k)
+
+
+def test_vmap_lr_per_member():
+    "The dynamic lr in the vmapped state is one per member: a sweep of lrs in one call equals separate runs."
+    models = ensemble(3)
+    fopt = cbopt.functional(cbopt.Adam, lr=1e-2)
+    params = {k: v.detach() for k, v in stack_module_state(models)[0].items()}
+    state = vmap(fopt.init)(params)
+    lrs = torch.tensor([1e-3, 1e-2, 1e-1], dtype=F64)
+    state['hypers']['lr'] = lrs
+    singles = [(detached(m), fopt.init(detached(m))) for m in models]
+    loss = mse(models[0])
+    for i in range(5):
+        x, y = batch(i)
+        params, state = vmap(fopt.update)(params, vmap(grad(loss), in_dims=(0, None, None))(params, x, y), state)
+        singles = [fopt.update(p, grad(loss)(p, x, y), s, lr=lr.item()) for (p, s), lr in zip(singles, lrs)]
+    for j, (p, _) in enumerate(singles): assert_close({k: v[j] for k, v in params.items()}, p, 1e-6, f"member {j}:")
+    assert torch.equal(state['hypers']['lr'], lrs)
+
+
+def test_vmap_names_the_branching_callback():
+    "RAdam's `if r > 5` on the (tensor) step count, and a user's `if` on a grad, cannot batch: the error names them."
+    def skip_if_small(p, lr, **kwargs):
+        if p.grad.abs().max() > 1: p.data.sub_(p.grad, alpha=lr)
+    params = {k: v.detach() for k, v in stack_module_state(ensemble(2))[0].items()}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    for fopt, name in ((cbopt.functional(cbopt.RAdam), 'radam_step'), (cbopt.functional([skip_if_small], lr=0.1), 'skip_if_small')):
+        with pytest.raises(cbopt.FunctionalError, match=f"callback '{name}'"):
+            vmap(fopt.update)(params, grads, vmap(fopt.init)(params))
+        p = {k: v[0] for k, v in params.items()}  # without vmap it runs
+        fopt.update(p, {k: v[0] for k, v in grads.items()}, fopt.init(p))
+
+
+# -- torch.compile -----------------------------------------------------------------------------------------------
+def compiled_steps(fopt, compiler: str, steps: int, rtol: float):
+    "`steps` updates compiled with fullgraph next to eager ones, lr a tensor that changes every step."
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    model = make_model()
+    loss = loss_fn(model)
+    update = torch.compile(fopt.update, fullgraph=True, backend=compiler)
+    eager = compiled = detached(model)
+    s_eager = s_compiled = fopt.init(eager)
+    before = counters['stats']['unique_graphs']
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(steps):
+            lr = torch.tensor(1e-2 / (1 + i), dtype=F64)
+            g = grad(loss)(eager, i)
+            eager, s_eager = fopt.update(eager, g, s_eager, lr=lr)
+            compiled, s_compiled = update(compiled, g, s_compiled, lr=lr)
+            assert_close(compiled, eager, rtol, f"step {i}:")
+    assert counters['stats']['unique_graphs'] - before == 1
+    assert s_compiled['0.weight']['step'].item() == steps and s_compiled['hypers']['lr'].item() == lr.item()
+
+
+def test_compiled_update_one_graph():
+    """`torch.compile(update, fullgraph=True)` traces Adam in one graph (no break), runs it as eager does, and never
+    recompiles as the lr (a tensor) and the step count change (dynamo's error_on_recompile). aot_eager: dynamo's
+    graph and AOTAutograd's functionalization without inductor's slow C++ codegen (CBOPT_SLOW=1 adds inductor)."""
+    compiled_steps(cbopt.functional(cbopt.Adam, wd=0.1), 'aot_eager', 6, 1e-6)
+
+
+@pytest.mark.skipif(not SLOW, reason='inductor compiles for a minute on a busy CPU: CBOPT_SLOW=1')
+def test_compiled_update_inductor():
+    compiled_steps(cbopt.functional(cbopt.Adam, wd=0.1), 'inductor', 6, 1e-6)
+
+
+# -- differentiable ------------------------------------------------------------------------------------------------
+def test_hypergradient_autograd_and_func_grad():
+    """d(held-out loss after 4 Adam updates)/d(lr), the lr a 0-d tensor hyper: torch.autograd.grad (create_graph
+    grads) and torch.func.grad agree with each other and with finite differences (float64)."""
+    model = make_model(dtype=F64)
+    fopt, loss, p0 = cbopt.functional(cbopt.Adam, wd=0.1), loss_fn(model), detached(model)
+    lr = torch.tensor(3e-2, dtype=F64, requires_grad=True)
+    leaf = {k: v.clone().requires_grad_() for k, v in p0.items()}
+    (by_autograd,) = torch.autograd.grad(unroll(fopt, loss, leaf, lr, 4, 'autograd'), lr)
+    by_func = grad(lambda lr: unroll(fopt, loss, p0, lr, 4, 'func'))(lr.detach())
+    h = 1e-7
+    fd = (unroll(fopt, loss, p0, 3e-2 + h, 4, 'func') - unroll(fopt, loss, p0, 3e-2 - h, 4, 'func')) / (2 * h)
+    assert by_func.item() == pytest.approx(by_autograd.item(), rel=1e-10)
+    assert by_autograd.item() == pytest.approx(fd.item(), rel=1e-6)
+
+
+def test_meta_gradient_wrt_params():
+    """The gradient of an unrolled inner loop (MAML-style: 3 updates, each on the grads at the current params) with
+    respect to the start params, by torch.func.grad, equals finite differences element by element (float64): so the
+    second-order path through the grads is there too (a detached `p.grad.data` would cut it)."""
+    model = nn.Sequential(nn.Linear(6, 2)).to(F64)  # 14 params: finite differences on each
+    torch.manual_seed(0)
+    fopt, p0 = cbopt.functional(cbopt.Adam, lr=5e-2), detached(model)
+    def loss(params, step):
+        x, y = batch(step, F64)
+        return F.mse_loss(functional_call(model, params, (x,)), y[:, :2])
+    meta = grad(lambda p: unroll(fopt, loss, p, 5e-2, 3, 'func'))(p0)
+    h = 1e-6
+    for k, p in p0.items():
+        for idx in range(p.numel()):
+            e = torch.zeros(p.numel(), dtype=F64)
+            e[idx] = h
+            up = {**p0, k: p + e.view_as(p)}
+            down = {**p0, k: p - e.view_as(p)}
+            fd = (unroll(fopt, loss, up, 5e-2, 3, 'func') - unroll(fopt, loss, down, 5e-2, 3, 'func')) / (2 * h)
+            assert meta[k].flatten()[idx].item() == pytest.approx(fd.item(), rel=1e-6, abs=1e-9), (k, idx)
+
+
+def test_hypergradient_descent_learns_the_lr():
+    """Hypergradient descent: the lr follows d(loss after the update)/d(lr); from a lr far too small it grows, and
+    the run ends with a lower loss than the same steps at the start lr."""
+    model = make_model()
+    fopt, loss = cbopt.functional(cbopt.Adam), loss_fn(model)
+    params, log_lr = detached(model), torch.tensor(-8.)
+    state = fopt.init(params)
+    fixed, fixed_state = detached(model), fopt.init(params)
+    for i in range(40):
+        g = grad(loss)(params, i)
+        hyper = grad(lambda log_lr: loss(fopt.update(params, g, state, lr=log_lr.exp())[0], i + 1))(log_lr)
+        log_lr = log_lr - 0.5 * hyper.sign()
+        params, state = fopt.update(params, g, state, lr=log_lr.exp())
+        fixed, fixed_state = fopt.update(fixed, grad(loss)(fixed, i), fixed_state, lr=torch.tensor(-8.).exp())
+    assert log_lr.item() > -6
+    assert loss(params, 100).item() < loss(fixed, 100).item()
+
+
+# -- purity, hypers in the state, converters -------------------------------------------------------------------------
+def test_update_leaves_its_inputs_unchanged():
+    "update is pure: params, grads and state are as they were, even for a callback that writes into p.grad."
+    fopt = cbopt.functional([clip_by_norm, cbopt.average_grad, cbopt.momentum_step], lr=0.1, max_norm=0.01)
+    params = detached(make_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = fopt.init(params)
+    copies = copy.deepcopy((params, grads, state))
+    new, new_state = fopt.update(params, grads, state)
+    for before, after in zip(copies, (params, grads, state)):
+        assert torch.equal(torch.cat([t.flatten() for t in _leaves(before)]), torch.cat([t.flatten() for t in _leaves(after)]))
+    assert not any(torch.equal(new[k], params[k]) for k in params)
+
+
+def _leaves(tree) -> list: return torch.utils._pytree.tree_leaves(tree)
+
+
+def test_dynamic_hypers_live_in_the_state():
+    """The lr in effect is in the state; an update without `lr=` uses the state's; a number or tensor given per call
+    replaces it in the returned state; fixed hypers stay the functional optimizer's."""
+    fopt = cbopt.functional(cbopt.Adam, lr=1e-3, wd=0.1)
+    assert fopt.dynamic == ('lr',) and fopt.hypers['wd'] == 0.1 and 'lr' not in fopt.hypers
+    params = detached(make_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = fopt.init(params)
+    assert state['hypers']['lr'].item() == 1e-3
+    a, sa = fopt.update(params, grads, state, lr=0.05)
+    assert sa['hypers']['lr'].item() == 0.05
+    b, _ = fopt.update(a, grads, sa)
+    c, _ = fopt.update(a, grads, sa, lr=torch.tensor(0.05))
+    assert_close(b, c, 1e-7)
+    both = cbopt.functional(cbopt.Adam, dynamic=('lr', 'mom'), lr=1e-3)
+    assert set(both.init(params)['hypers']) == {'lr', 'mom'}
+
+
+def test_from_torch_adamw_continues_as_torch():
+    "A torch.optim.AdamW state_dict becomes the functional state (read as Optimizer.load_state_dict reads it): the updates continue as torch's."
+    model = make_model(dtype=F64)
+    ref = copy.deepcopy(model)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.1)
+    loss = loss_fn(model)
+    for i in range(5):
+        topt.zero_grad()
+        loss(dict(ref.named_parameters()), i).backward()
+        topt.step()
+    fopt = cbopt.functional(cbopt.Adam, lr=1e-2, wd=0.1)
+    params = detached(ref)
+    state = fopt.from_state_dict(topt.state_dict(), params)
+    assert state['0.weight']['step'].item() == 5
+    for i in range(5, 15):
+        params, state = fopt.update(params, grad(loss)(params, i), state)
+        topt.zero_grad()
+        loss(dict(ref.named_parameters()), i).backward()
+        topt.step()
+    assert_close(params, dict(ref.named_parameters()), 1e-12)
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+def test_errors_name_the_culprit():
+    params = detached(make_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    fopt = cbopt.functional(cbopt.Adam)
+    state = fopt.init(params)
+    with pytest.raises(cbopt.FunctionalError, match="whole-model callback 'clip_grad_norm'"):
+        cbopt.functional([cbopt.clip_grad_norm, cbopt.sgd_step], max_norm=1.)
+    with pytest.raises(cbopt.FunctionalError, match="'skip_nonfinite'"):
+        cbopt.functional(lambda ps: cbopt.SkipNonFinite(cbopt.Adam(ps)))
+    with pytest.raises(TypeError, match="did you mean 'lr'"): fopt.update(params, grads, state, lrr=0.1)
+    with pytest.raises(ValueError, match='Invalid learning rate'): fopt.update(params, grads, state, lr=-1.)
+    with pytest.raises(TypeError, match="hyper 'lr' .* shape \\(2,\\)"): fopt.update(params, grads, state, lr=torch.ones(2))
+    with pytest.raises(KeyError, match="'nope'"): fopt.update(params, {**grads, 'nope': grads['0.bias']}, state)
+    with pytest.raises(ValueError, match="grad '0.bias'"): fopt.update(params, {**grads, '0.bias': torch.ones(2)}, state)
+    with pytest.raises(KeyError, match="'2.bias' has no state"):
+        fopt.update(params, grads, {k: v for k, v in state.items() if k != '2.bias'})
+    with pytest.raises(TypeError, match="state 'step' of param '0.bias' is a int"):
+        fopt.update(params, grads, {**state, '0.bias': {**state['0.bias'], 'step': 3}})
+    with pytest.raises(ValueError, match="named 'hypers'"): fopt.init({'hypers': torch.zeros(2)})
+    with pytest.raises(KeyError, match="dynamic hyper 'lrr'"): cbopt.functional(cbopt.Adam, dynamic=('lrr',))
+    with pytest.raises(TypeError, match=r'a callback, not a factory: .*\[sgd_step\]'): cbopt.functional(cbopt.sgd_step)
+    with pytest.raises(TypeError, match='expected a factory'): cbopt.functional(lambda ps: None)
+    with pytest.raises(ValueError, match='wd=0.5.*fixed at 0.01'):
+        fopt.from_state_dict(cbopt.Adam(make_model().named_parameters(), wd=0.5).state_dict(), params)
