@@ -334,9 +334,16 @@ def test_hypergradient_descent_learns_the_lr():
 
 
 # -- purity, hypers in the state, converters -------------------------------------------------------------------------
+def halve_grad_in_place(p, **kwargs):
+    "A callback breaking the grad contract: it writes into `p.grad`."
+    p.grad.data.mul_(0.5)
+halve_grad_in_place.state = {}
+
+
 def test_update_leaves_its_inputs_unchanged():
-    "update is pure: params, grads and state are as they were, even for a callback that writes into p.grad."
-    fopt = cbopt.functional([clip_by_norm, cbopt.average_grad, cbopt.momentum_step], lr=0.1, max_norm=0.01)
+    "update is pure: params, grads and state are as they were, even after a callback that writes into p.grad."
+    fopt = cbopt.functional([halve_grad_in_place, clip_by_norm, cbopt.average_grad, cbopt.momentum_step], lr=0.1,
+                            max_norm=0.01)
     params = detached(make_model())
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     state = fopt.init(params)
