@@ -5,8 +5,10 @@ The same callbacks run here as in `Optimizer.step`, through the same `run_param`
 `loop` backend; only the stand-in for a param differs. A `Slot`'s `.data` is the live tensor, where a real param's
 `.data` is a detached alias that hides every write from autograd, so gradients flow through `update`. Callbacks
 write in place, which autograd differentiates only once the writes are made functional: eager `update` runs under
-`torch.func.functionalize` (under `torch.compile`, AOTAutograd does the same). It steps copies, so its inputs never
-change, and a failing callback leaves nothing half-done.
+`torch.func.functionalize` (under `torch.compile`, AOTAutograd does the same). A grad's `.data` is the grad
+itself (vmap refuses `.data`; under functionalize it cuts nothing anyway, as autograd works beneath the wrappers it
+detaches), so meta-gradients flow through the grads too. `update` steps copies, so its inputs never change, and a
+failing callback leaves nothing half-done.
 
 State is `{fqn: {name: tensor}}` with the Optimizer's names and values. What the Optimizer keeps as a Python number
 (a step count) is a 0-d float64 tensor here, so a new count neither retraces nor recompiles. The hypers named in
@@ -56,10 +58,10 @@ class Slot:
 
 class _FunctionalMode(ScalarArgsAsTensors):
     """While a chain runs in `update`: `alpha=`/`value=` numbers become tensor ops (so a tensor lr flows through
-    autograd and compile), a grad's `.data` is the grad itself (so meta-gradients flow through the grads), and a
-    callback that reads a Python value of a tensor under vmap is named in the error. `differentiable` (under
-    functionalize, for autograd): `copy_` is `zero_().add_()`, as torch has no derivative for the functional copy
-    (aten::copy) that functionalize makes of it; the same values (but -0.0 copies as 0.0)."""
+    autograd and compile), a grad's `.data` is the grad itself (vmap refuses `.data`), and a callback that reads a
+    Python value of a tensor under vmap is named in the error. `differentiable` (under functionalize, for autograd):
+    `copy_` is `zero_().add_()`, as torch has no derivative for the functional copy (aten::copy) that functionalize
+    makes of it; the same values (but -0.0 copies as 0.0)."""
     def __init__(self, cbs: Iterable[Callable], differentiable: bool = False):
         super().__init__()
         self.differentiable = differentiable
@@ -72,7 +74,7 @@ class _FunctionalMode(ScalarArgsAsTensors):
         return 'a callback' if f is None else f"callback {self.codes[f.f_code]!r}"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, '__self__', None) is _DATA: return args[0]
+        if getattr(func, '__self__', None) is _DATA: return args[0]  # vmap refuses `.data`
         if self.differentiable and (func is torch.Tensor.copy_ or func in self.CLAMP_):
             src = args[1] if func is torch.Tensor.copy_ else \
                 super().__torch_function__(torch.Tensor.clamp, types, args, kwargs)  # (ScalarArgsAsTensors copies it in)
