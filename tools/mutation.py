@@ -32,7 +32,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
     'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
     'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py']),
-    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_bad_input.py']),
+    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_torch_names.py',
+                                     'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
     'engine': (['cbopt/engine/*.py'], ['tests/test_engine_units.py', 'tests/test_chain.py', 'tests/test_backends.py',
                                        'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py']),
@@ -50,7 +51,7 @@ PYTEST_ARGS: dict[str, list[str]] = {'state': ONE_BACKEND, 'hypers': ONE_BACKEND
                                      'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
-               'hypers': ['_is_in'],     # called only at import, building HYPER_RULES: as `_unary`
+               'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
                'engine': ['register_kernel']}  # called only at import, by cbopt.optimizers
 
 # what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
