@@ -46,7 +46,7 @@ import torch
 
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
-           'zeros', 'copy_of_param', 'declared_for', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
+           'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
            'model_param_state', 'model_key', 'around_params']
 
 SCOPES = ('element', 'tensor', 'model')
@@ -230,6 +230,15 @@ def init_chain_state(cbs: Iterable[Callable], p) -> dict:
             v = v(p) if callable(v) else v
             if v is not None: out[k] = v
     return out
+
+
+def per_tensor(fn: Callable, *args):
+    """`fn(*args)` for a param; for a bucket (lists of tensors, as the foreach backend passes them), once per param, the
+    results in a list of the same type. For the part of a callback that depends on each param's shape (Muon's
+    Newton-Schulz, which transposes tall matrices): the rest of the callback still runs bucket-wise."""
+    lists = [a for a in args if isinstance(a, list)]
+    if not lists: return fn(*args)
+    return type(lists[0])([fn(*xs) for xs in zip(*args, strict=True)])
 
 
 def declared_for(cb: Callable, p) -> dict:

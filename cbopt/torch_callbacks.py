@@ -1,5 +1,5 @@
 """Step callbacks for torch.optim's algorithms that cbopt's own callbacks do not cover: Adagrad, Adadelta, Adamax,
-NAdam, ASGD, Rprop and Adafactor (listed into optimizers in `cbopt.torch_optimizers`).
+NAdam, ASGD, Rprop, Adafactor and Muon (listed into optimizers in `cbopt.torch_optimizers`).
 
 Each follows torch's `_single_tensor_<algo>` float op for float op where it can, so the results stay within rounding
 of torch's classes; what cbopt already has is reused (`l2_reg`/`weight_decay`, `average_grad`, `average_sqr_grad`,
@@ -8,13 +8,16 @@ per param, per bucket and compiled; the only Python branches are on hypers and t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .callbacks import debias, rms_prop_step
-from .chain import declared_for, zeros
+from .chain import declared_for, per_tensor, zeros
 
 __all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
-           'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step']
+           'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'muon_momentum', 'newton_schulz',
+           'muon_step']
 
 
 def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
@@ -175,3 +178,50 @@ adafactor_step.defaults = dict(d=1., eps1=None)
 adafactor_step.state = {}
 adafactor_step.scope = 'tensor'
 adafactor_step.torch_names = dict(d='d', beta2_decay='beta2_decay', eps=('eps1', 'eps2'))
+
+
+def muon_momentum(p, mom, nesterov, grad_avg=None, **kwargs):
+    """Muon's momentum, `grad_avg` (torch's `momentum_buffer`), a lerp towards the grad with `1-mom`, and the update it
+    orthogonalizes, `muon_update`: the grad lerped back towards it with `mom` (Nesterov's, the default) or itself."""
+    if grad_avg is None: grad_avg = torch.zeros_like(p.data)
+    g = p.grad.data
+    grad_avg.lerp_(g, 1 - mom)
+    return {'grad_avg': grad_avg, 'muon_update': g.lerp(grad_avg, mom) if nesterov else grad_avg}
+muon_momentum.defaults = dict(mom=0.95, nesterov=True)
+muon_momentum.state = dict(grad_avg=zeros)
+muon_momentum.transient = ('muon_update',)
+
+
+def newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int, eps: float) -> torch.Tensor:
+    """`steps` quintic Newton-Schulz iterations towards the orthogonal factor of the matrix `x`, in bfloat16, on the
+    wide side (a tall matrix is transposed): torch's `_zeropower_via_newtonschulz`, op for op."""
+    if x.ndim != 2: raise ValueError(f"Muon orthogonalizes 2-D matrices, got a param of shape {tuple(x.shape)}")
+    tall = x.size(0) > x.size(1)
+    o = x.bfloat16()
+    if tall: o = o.T
+    o = o.div_(o.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = o @ o.T
+        o = torch.addmm(o, torch.addmm(gram, gram, gram, beta=b, alpha=c), o, beta=a)
+    return o.T if tall else o
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
+    "Muon's lr for a matrix of `shape`, so updates of any aspect have a like rms: torch's `adjust_lr_fn` rules."
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == 'original': return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == 'match_rms_adamw': return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def muon_step(p, lr, muon_update, ns_a, ns_b, ns_c, ns_steps, eps, adjust_lr_fn, **kwargs):
+    """Muon step: the orthogonalized update (`newton_schulz` with torch's `ns_coefficients` as `ns_a`, `ns_b`, `ns_c`),
+    at the lr adjusted to the matrix's shape. Both depend on each param's shape: run per param, also in a bucket."""
+    def step(w, u):  # in w's dtype before the lr scales it (as torch's add_ does, also when compiled)
+        o = newton_schulz(u, ns_a, ns_b, ns_c, ns_steps, eps).to(w.dtype)
+        return w.add_(o, alpha=-_adjusted_lr(lr, adjust_lr_fn, w.shape))
+    per_tensor(step, p.data, muon_update)
+muon_step.defaults = dict(ns_a=3.4445, ns_b=-4.775, ns_c=2.0315, ns_steps=5, eps=1e-7, adjust_lr_fn=None)
+muon_step.state = {}
+muon_step.scope = 'tensor'
+muon_step.torch_names = dict(ns_coefficients=('ns_a', 'ns_b', 'ns_c'), ns_steps='ns_steps', adjust_lr_fn='adjust_lr_fn')

@@ -1,5 +1,5 @@
 """torch.optim's other algorithms as cbopt optimizers: `Adagrad`, `Adadelta`, `Adamax`, `NAdam`, `ASGD`, `Rprop`,
-`Adafactor`.
+`Adafactor`, `Muon` (with AdamW for the params it does not suit, in the same optimizer).
 
 Each has torch's defaults and numerics (within float rounding of the torch class), and reads that class's state_dict.
 Hyper names are fastai's where fastai has the hyper, torch's otherwise: torch's `betas` are `mom`/`sqr_mom`,
@@ -9,17 +9,24 @@ torch's functional API: a hyper is one number per group). `maximize=True` (torch
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from typing import Any
+
+import torch
 
 from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
 from .hypers import torch_keywords
 from .optimizer import Optimizer
-from .optimizers import _decay, maximizing
+from .optimizers import _decay, adam_chain, maximizing
+from .hypers import expand_hyper
+from .params import named_groups
 from .torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
-                              inf_norm_grad, nadam_step, relative_step_size, rprop_step, sqr_grad_sum)
+                              inf_norm_grad, muon_momentum, muon_step, nadam_step, relative_step_size, rprop_step,
+                              sqr_grad_sum)
 
-__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop', 'Adafactor']
+__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop', 'Adafactor', 'muon_chain', 'is_hidden_matrix',
+           'Muon']
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -112,3 +119,63 @@ def Adafactor(params: Any, lr: float | slice = 1e-2, beta2_decay: float = -0.8,
     cbs = [step_stat, relative_step_size, weight_decay, factored_sqr_grad, adafactor_step]
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, wd=wd,
                      backend=backend)
+
+
+def muon_chain() -> list:
+    "Muon's callbacks: decoupled weight decay, the momentum (Nesterov's by default), the orthogonalized step."
+    return [weight_decay, muon_momentum, muon_step]
+
+
+# name parts of the params Muon's users give AdamW though they are matrices: embeddings and the output head
+NOT_HIDDEN = ('embed', 'wte', 'wpe', 'lm_head', 'head', 'output', 'classifier', 'fc_out')
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """Muon's default choice: a 2-D param that is not an embedding or the output head, by its FQN (a part of the name
+    containing 'embed', or one of `NOT_HIDDEN`: 'wte', 'lm_head', 'head', ...)."""
+    parts = name.split('.')
+    return p.ndim == 2 and not any('embed' in part or part in NOT_HIDDEN for part in parts)
+
+
+ADAMW = dict(lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0.01)  # torch.optim.AdamW's defaults
+
+
+def Muon(params: Any, lr: float | slice = 1e-3, wd: float = 0.1, mom: float = 0.95, nesterov: bool = True,
+         ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-7, ns_steps: int = 5,
+         adjust_lr_fn: str | None = None, muon_params: Callable[[str, torch.Tensor], bool] | Collection[str] = is_hidden_matrix,
+         adamw: Mapping | None = None, maximize: bool = False, backend: str = "auto") -> Optimizer:
+    """torch.optim.Muon for the hidden matrices, AdamW for every other param, in one optimizer: each given group is
+    split into a Muon group and an AdamW group (per-group chains). `muon_params` picks the Muon params: a predicate
+    `(fqn, param) -> bool` (default `is_hidden_matrix`: 2-D, not an embedding or the output head) or a collection of
+    FQNs. The AdamW groups take `adamw`'s hypers over torch.optim.AdamW's defaults (`ADAMW`). A bare list of 2-D
+    params is Muon alone, as torch's. Muon's hypers: `mom` is torch's `momentum`, `wd` its `weight_decay`,
+    `ns_coefficients` the hypers `ns_a`, `ns_b`, `ns_c`; state `grad_avg` (torch's `momentum_buffer`)."""
+    _check(adjust_lr_fn in (None, 'original', 'match_rms_adamw'),
+           f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    _check(isinstance(ns_steps, int) and 0 <= ns_steps < 100,
+           f"ns_steps must be an int below 100 (Newton-Schulz iterations per step), got {ns_steps!r}")
+    a, b, c = ns_coefficients
+    if not callable(muon_params):
+        chosen = set(muon_params)
+        pick = lambda name, p: name in chosen
+    else: pick = muon_params
+    given = named_groups(params)
+    muon = dict(lr=lr, wd=wd, mom=mom, nesterov=nesterov, ns_a=a, ns_b=b, ns_c=c, ns_steps=ns_steps, eps=eps,
+                adjust_lr_fn=adjust_lr_fn)
+    per_group = {k: expand_hyper(k, v, len(given)) for k, v in muon.items()}  # lr=slice(...) spreads as fastai's
+    groups, names = [], set()
+    for i, g in enumerate(given):
+        muon = {k: vs[i] for k, vs in per_group.items()}
+        own = {k: v for k, v in g.items() if k not in ('params', 'param_names')}
+        pairs = list(zip(g['param_names'], g['params']))
+        names |= {n for n, _ in pairs}
+        ours = [(n, p) for n, p in pairs if pick(n, p)]
+        for n, p in ours:
+            if p.ndim != 2: raise ValueError(f"Muon only supports 2D parameters, but {n!r} has size {tuple(p.shape)}")
+        rest = [(n, p) for n, p in pairs if not pick(n, p)]
+        if ours: groups.append({**muon, **own, 'params': [p for _, p in ours], 'param_names': [n for n, _ in ours]})
+        if rest: groups.append({**ADAMW, **(adamw or {}), 'cbs': maximizing(adam_chain(), maximize),
+                                'params': [p for _, p in rest], 'param_names': [n for n, _ in rest]})
+    if not callable(muon_params) and (unknown := chosen - names):
+        raise KeyError(f"muon_params names {sorted(unknown)}, which are not among the params")
+    return Optimizer(groups, maximizing(muon_chain(), maximize), backend=backend)

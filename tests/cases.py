@@ -48,6 +48,8 @@ class Case:
       checked with both under `CBOPT_SLOW=1`. Compiling costs seconds per chain on CPU, hence a selection.
     - `inductor_graphs`: graphs inductor compiles for the 12-step check of `test_fused_inductor`, where known.
     - `tensor_scope`: a callback of its chain reduces over a whole param (a norm): `cb.scope == 'tensor'`.
+    - `splits_groups`: it splits each given group in two (Muon's matrices, AdamW's rest), so group indices
+      (`freeze_to`) count its own groups, not the given ones.
     """
     id: str
     build: Callable[..., cbopt.Optimizer]
@@ -60,6 +62,7 @@ class Case:
     compiles: tuple[str, ...] = ()
     inductor_graphs: int | None = None
     tensor_scope: bool = False
+    splits_groups: bool = False
 
     def __post_init__(self):
         assert (self.fastai is None) == (self.fastai_parity is None), f"{self.id}: a fastai reference needs a Tol"
@@ -192,6 +195,11 @@ CASES: list[Case] = [
                                                                           backend=backend),
          torch=lambda ps, lr, **kw: optim.Adafactor(ps, lr=lr, beta2_decay=-0.6, d=1.5, weight_decay=0.1, **kw),
          torch_parity=Tol(), compiles=('aot_eager',), tensor_scope=True),
+    # Muon on the matrices, AdamW on the biases (one optimizer, per-group chains); test_torch_catalogue checks each
+    # half against torch.optim.Muon and AdamW: torch has no single optimizer to compare the whole with
+    Case('muon', build=lambda ps, lr, backend='auto': cbopt.Muon(ps, lr, wd=0.05, adamw=dict(lr=3e-3, wd=0.1),
+                                                                 backend=backend),
+         tensor_scope=True, has_torch_kernel=True, splits_groups=True),  # AdamW's groups run torch's fused kernel
     Case('clip-adam', build=lambda ps, lr, backend='auto': cbopt.Optimizer(
         ps, [clip_by_norm, cbopt.average_grad, cbopt.average_sqr_grad, cbopt.step_stat, cbopt.adam_step],
         backend=backend, lr=lr, max_norm=0.05)),

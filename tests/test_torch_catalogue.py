@@ -14,11 +14,12 @@ from functools import partial
 
 import pytest
 import torch
-from torch import optim
+from torch import nn, optim
 
 import cbopt
 from cbopt.state.formats import TORCH_STATE_KEYS
-from cbopt.torch_optimizers import ASGD, Adadelta, Adafactor, Adagrad, Adamax, NAdam, Rprop
+from cbopt.torch_optimizers import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
+import torch.nn.functional as F
 from conftest import assert_rel_close, make_model, set_grads, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -406,3 +407,160 @@ def test_fastai_opt_func(opt):
     ours, ref = fit(opt), fit(partial(OptimWrapper, opt=getattr(optim, opt.__name__)))
     assert isinstance(ours.opt, cbopt.Optimizer) and len(ours.recorder.losses) == 4
     assert_rel_close(ours.model, ref.model, rtol=TOL, **PER_TENSOR)
+
+
+# -- Muon ----------------------------------------------------------------------------------------------------------
+def matrices_model(seed: int = 0) -> nn.Module:
+    "`make_model` without biases: only matrices, a tall one (8x6) and a wide one (3x8), as torch's Muon takes."
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False))
+
+
+MUON = {  # id: (cbopt hypers, torch hypers)
+    'muon':     ({}, {}),
+    'muon-all': (dict(lr=0.02, wd=0.05, mom=0.8, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), eps=1e-6,
+                      ns_steps=3, adjust_lr_fn='match_rms_adamw'),
+                 dict(lr=0.02, weight_decay=0.05, momentum=0.8, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2),
+                      eps=1e-6, ns_steps=3, adjust_lr_fn='match_rms_adamw')),
+}
+
+
+def negated(train_fn):
+    "`train_fn(opt, model, steps, start)` on the negated grads: minimizing -loss, the reference of maximize=True."
+    def run(opt, model, steps, start=0):
+        for i in range(start, start + steps):
+            set_grads(model, i)
+            for p in model.parameters(): p.grad = -p.grad
+            opt.step()
+    return run
+
+
+@pytest.mark.parametrize('maximize', [False, True], ids=['min', 'max'])
+@pytest.mark.parametrize('name', MUON)
+def test_muon_follows_torch(name, maximize):
+    """A bare list of matrices: 40 steps of loop within 1e-5 of torch.optim.Muon (params and `momentum_buffer`), foreach
+    bit for bit the loop with no warning, the user's grads kept; maximize=True is torch's Muon on the negated grads."""
+    ours, theirs = MUON[name]
+    ref = matrices_model()
+    ref_opt = optim.Muon(ref.parameters(), **theirs)
+    (negated(train) if maximize else train)(ref_opt, ref, STEPS)
+    runs = {}
+    for backend in ('loop', 'foreach'):
+        model = matrices_model()
+        opt = Muon(list(model.parameters()), **ours, maximize=maximize, backend=backend)
+        assert len(opt.param_groups) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            train_keeping_grads(opt, model, STEPS)
+        runs[backend] = model, opt
+    (loop, loop_opt), (each, _) = runs['loop'], runs['foreach']
+    assert_rel_close(loop, ref, rtol=TOL, msg=f'{name} vs torch:', **PER_TENSOR)
+    assert_state_close(loop_opt, ref_opt, loop)
+    assert_same(each, loop)
+    for p, q in zip(loop.parameters(), matrices_model().parameters()): assert (p - q).abs().max() > 1e-2 * q.abs().max()
+
+
+@pytest.mark.parametrize('name', MUON)
+def test_muon_torch_state_dict_and_resume(name):
+    """torch.optim.Muon's state_dict (weights_only) loads every hyper into a default cbopt.Muon, which goes on as torch;
+    cbopt's own state_dict resumes bit for bit."""
+    ours, theirs = MUON[name]
+    ref = matrices_model()
+    ref_opt = optim.Muon(ref.parameters(), **theirs)
+    train(ref_opt, ref, 20)
+    buf = io.BytesIO()
+    torch.save(ref_opt.state_dict(), buf)
+    buf.seek(0)
+    model = copy.deepcopy(ref)
+    opt = Muon(list(model.parameters()), backend='loop')
+    opt.load_state_dict(torch.load(buf, weights_only=True))
+    want = Muon(list(matrices_model().parameters()), **ours).param_groups[0]
+    assert all(opt.param_groups[0][k] == v for k, v in want.items() if k not in ('params', 'param_names', 'cbs'))
+    train(ref_opt, ref, 20, start=20)
+    train(opt, model, 20, start=20)
+    assert_rel_close(model, ref, rtol=TOL, **PER_TENSOR)
+    full, half = matrices_model(), matrices_model()
+    full_opt, half_opt = Muon(list(full.parameters()), **ours), Muon(list(half.parameters()), **ours, backend='foreach')
+    train(full_opt, full, 40)
+    train(half_opt, half, 20)
+    buf = io.BytesIO()
+    torch.save(half_opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = Muon(list(half.parameters()), **ours)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    train(resumed, half, 20, start=20)
+    assert_same(half, full)
+
+
+class Net(nn.Module):
+    "An embedding, a hidden layer and an output head: what Muon's users give AdamW and Muon."
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.embed, self.hidden, self.head = nn.Embedding(10, 6), nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x): return self.head(torch.tanh(self.hidden(self.embed(x))))
+
+
+def test_muon_on_a_whole_model_is_muon_and_adamw():
+    """`cbopt.Muon(model.named_parameters())` steps the hidden matrices as torch.optim.Muon and every other param (the
+    embedding, the head, the biases) as torch.optim.AdamW, side by side over 40 steps, in one optimizer."""
+    def batches(model, opts, steps):
+        for i in range(steps):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randint(0, 10, (16,), generator=g), torch.randn(16, 3, generator=g)
+            for p in model.parameters(): p.grad = None
+            with torch.enable_grad(): F.mse_loss(model(x), y).backward()
+            for o in opts: o.step()
+    ours, ref = Net(), Net()
+    opt = Muon(ours.named_parameters(), lr=0.02, adamw=dict(lr=0.01, wd=0.1))
+    assert [g['param_names'] for g in opt.param_groups] == \
+        [['hidden.weight'], ['embed.weight', 'hidden.bias', 'head.weight', 'head.bias']]
+    muon_ps = [ref.hidden.weight]
+    rest = [p for p in ref.parameters() if p is not ref.hidden.weight]
+    batches(ref, [optim.Muon(muon_ps, lr=0.02), optim.AdamW(rest, lr=0.01, weight_decay=0.1)], STEPS)
+    batches(ours, [opt], STEPS)
+    for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p - q).abs().max() <= TOL * q.abs().max(), n
+    for (n, p), q in zip(ours.named_parameters(), Net().parameters()): assert not torch.equal(p, q), n
+
+
+def test_muon_params_by_name_or_predicate():
+    "Which params Muon steps: by FQN or by a predicate; a param that is not a matrix, or an unknown name, is an error."
+    net = Net()
+    by_name = Muon(net.named_parameters(), muon_params=['hidden.weight', 'head.weight'])
+    assert by_name.param_groups[0]['param_names'] == ['hidden.weight', 'head.weight']
+    by_pred = Muon(net.named_parameters(), muon_params=lambda n, p: p.ndim == 2)
+    assert by_pred.param_groups[0]['param_names'] == ['embed.weight', 'hidden.weight', 'head.weight']
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters, but 'hidden.bias'"):
+        Muon(net.named_parameters(), muon_params=['hidden.bias'])
+    with pytest.raises(KeyError, match="hidden.wieght"): Muon(net.named_parameters(), muon_params=['hidden.wieght'])
+    with pytest.raises(ValueError, match="Adjust learning rate function x"): Muon(net.named_parameters(), adjust_lr_fn='x')
+
+
+def test_muon_fastai_opt_func():
+    """As a fastai `opt_func`: a Learner (unnamed params: matrices to Muon, the rest to AdamW) trains as the same
+    optimizer stepped by hand on the same batches."""
+    Learner = pytest.importorskip('fastai.learner').Learner
+    from fastai.callback.progress import ProgressCallback
+    from fastai.data.core import DataLoaders
+    from fastcore.basics import noop
+    from torch.utils.data import TensorDataset
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+    dls = DataLoaders.from_dsets(TensorDataset(x, y), TensorDataset(x[:8], y[:8]), bs=8, shuffle=False)
+    # wd=0 on the AdamW groups: a Learner turns weight decay off on biases (wd_bn_bias=False)
+    learn = Learner(dls, make_model(), nn.MSELoss(), opt_func=partial(Muon, adamw=dict(lr=0.01, wd=0.)))
+    learn.remove_cb(ProgressCallback)
+    learn.logger = noop
+    learn.fit(1, lr=0.02)
+    assert [len(g['params']) for g in learn.opt.param_groups] == [2, 2]
+    model = make_model()
+    opt = Muon(model.parameters(), lr=0.02, adamw=dict(lr=0.02, wd=0.))  # fit's lr is set on every group
+    for i in range(4):
+        for p in model.parameters(): p.grad = None
+        with torch.enable_grad(): F.mse_loss(model(x[8 * i:8 * i + 8]), y[8 * i:8 * i + 8]).backward()
+        opt.step()
+    assert_same(learn.model, model)
