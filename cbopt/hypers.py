@@ -168,7 +168,7 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'every':       ('Invalid every value', 'an int >= 1', "accumulate_grads' micro-steps per step", _is_in(1)),
 }
 INT_HYPERS = ('k', 'every')
-FLAG_HYPERS = ('nesterov', 'clip')  # on/off switches: bools only
+FLAG_HYPERS = ('nesterov', 'clip', 'train_mode')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
 
 

@@ -15,10 +15,11 @@ import math
 import torch
 
 from .callbacks import weight_decay
-from .chain import zeros
+from .chain import copy_of_param, zeros
 
 __all__ = ['lion_step', 'lion_avg', 'adan_avgs', 'adan_step', 'proximal_decay', 'slow_grad_avg', 'ademamix_step',
-           'debiased_avgs', 'stable_lr', 'stable_decay', 'stable_adamw_step']
+           'debiased_avgs', 'stable_lr', 'stable_decay', 'stable_adamw_step', 'schedule_free_weight',
+           'adam_normalize_grad', 'schedule_free_step']
 
 
 def lion_step(p, lr, mom, grad_avg=None, **kwargs):
@@ -149,3 +150,51 @@ def stable_adamw_step(p, stable_lr, eps, grad_avg, sqr_avg, **kwargs):
 stable_adamw_step.defaults = dict(eps=1e-6)
 stable_adamw_step.state = {}
 stable_adamw_step.additive = True
+
+
+# -- schedule-free SGD and AdamW (schedulefree's SGDScheduleFree and AdamWScheduleFree: Defazio et al. 2024) --------
+def schedule_free_weight(p, lr, step, warmup_steps, r, weight_lr_power, weight_sum=0., lr_max=-1., **kwargs):
+    """Schedule-free's lr for this step (linear warmup over `warmup_steps`) and the weight `ckp1` of the new point in
+    the average: `step**r * lr_max**weight_lr_power` over their running sum (schedulefree keeps these per group, cbopt
+    per param, as the step count; they agree when every param steps every time)."""
+    lr = lr * (step / warmup_steps if step <= warmup_steps else 1.)
+    lr_max = torch.sym_max(lr, lr_max)  # max(), without specializing torch.compile on the value
+    weight = step ** r * lr_max ** weight_lr_power
+    weight_sum = weight_sum + weight
+    return {'weight_sum': weight_sum, 'lr_max': lr_max, 'sf_lr': lr, 'ckp1': weight / weight_sum if weight_sum else 0.}
+schedule_free_weight.defaults = dict(warmup_steps=0, r=0., weight_lr_power=2.)
+schedule_free_weight.state = dict(weight_sum=0., lr_max=-1.)
+schedule_free_weight.transient = ('sf_lr', 'ckp1')
+
+
+def adam_normalize_grad(p, sqr_mom, eps, step, sqr_avg, **kwargs):
+    "The rest of the chain sees the grad over the debiased root of `sqr_avg` (schedule-free AdamW's); `p.grad` is kept."
+    p.grad = p.grad.data.div(sqr_avg.div(1 - sqr_mom ** step).sqrt_().add_(eps))
+adam_normalize_grad.defaults = dict(eps=1e-8)
+adam_normalize_grad.state = {}
+
+
+def schedule_free_step(p, sf_lr, ckp1, mom, z=None, **kwargs):
+    """Schedule-free's step: `p` is `y`, the point where grads are taken, between the SGD iterate `z` and the average
+    `x`; move `y` as schedulefree does (without computing `x`), then step `z`. `mom` is its momentum (AdamW's beta1).
+    `opt.eval()` swaps the average `x` into the params, `opt.train()` swaps `y` back (`on_eval`, `on_train`)."""
+    if z is None: z = p.data.clone()
+    p.data.lerp_(z, ckp1)
+    p.data.add_(p.grad.data, alpha=sf_lr * (mom * (1 - ckp1) - 1))
+    z.sub_(p.grad.data, alpha=sf_lr)
+    return {'z': z}
+schedule_free_step.defaults = dict(mom=0.9, train_mode=False)
+schedule_free_step.state = dict(z=copy_of_param)
+
+
+def _to_average(p, mom, z, **kwargs):
+    "`opt.eval()`: from `y` to the average `x` (schedulefree's `p.lerp_(z, 1 - 1/beta1)`)."
+    p.data.lerp_(z, 1 - 1 / mom)
+
+
+def _to_train_point(p, mom, z, **kwargs):
+    "`opt.train()`: from the average `x` back to `y` (schedulefree's `p.lerp_(z, 1 - beta1)`)."
+    p.data.lerp_(z, 1 - mom)
+
+
+schedule_free_step.on_eval, schedule_free_step.on_train = _to_average, _to_train_point

@@ -1,5 +1,6 @@
 """The modern optimizers users install from other packages, as cbopt optimizers: `Lion` (lion-pytorch's `Lion`),
-`Adan` and `AdEMAMix` (pytorch-optimizer's), `StableAdamW` (torch-optimi's).
+`Adan` and `AdEMAMix` (pytorch-optimizer's), `StableAdamW` (torch-optimi's), `ScheduleFreeSGD` and `ScheduleFreeAdamW`
+(schedulefree's `SGDScheduleFree` and `AdamWScheduleFree`).
 
 Each has its reference's defaults and numerics (within float rounding of the reference class, tested step by step).
 Hyper names are fastai's where fastai has the hyper (`mom`/`sqr_mom` for `betas`, `wd` for `weight_decay`, `eps`),
@@ -11,14 +12,15 @@ from typing import Any
 
 from functools import partial
 
-from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
-from .modern_callbacks import (adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg, lion_step, proximal_decay,
-                               slow_grad_avg, stable_adamw_step, stable_decay, stable_lr)
+from .callbacks import average_grad, average_sqr_grad, l2_reg, step_stat, weight_decay
+from .modern_callbacks import (adam_normalize_grad, adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg,
+                               lion_step, proximal_decay, schedule_free_step, schedule_free_weight, slow_grad_avg,
+                               stable_adamw_step, stable_decay, stable_lr)
 from .hypers import torch_keywords
 from .optimizer import Optimizer
 from .optimizers import _decay
 
-__all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW']
+__all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW', 'ScheduleFreeSGD', 'ScheduleFreeAdamW']
 
 
 @torch_keywords()  # lion-pytorch's betas and weight_decay too
@@ -30,6 +32,7 @@ def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float
                      backend=backend)
 
 
+@torch_keywords(betas=('mom', 'diff_mom', 'sqr_mom'), weight_decouple='decouple_wd')  # pytorch-optimizer's names too
 def Adan(params: Any, lr: float | slice = 1e-3, mom: float = 0.98, diff_mom: float = 0.92, sqr_mom: float = 0.99,
          eps: float = 1e-8, wd: float = 0., decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
     """pytorch-optimizer's `Adan`: its `betas` are `mom`, `diff_mom`, `sqr_mom`, its `weight_decay` `wd`. Its weight
@@ -41,6 +44,7 @@ def Adan(params: Any, lr: float | slice = 1e-3, mom: float = 0.98, diff_mom: flo
     return Optimizer(params, cbs, lr=lr, mom=mom, diff_mom=diff_mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords(betas=('mom', 'sqr_mom', 'slow_mom'), alpha='slow_alpha', weight_decouple='decouple_wd')
 def AdEMAMix(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.999, slow_mom: float = 0.9999,
              slow_alpha: float = 5., t_alpha_beta3: float | None = None, eps: float = 1e-8, wd: float = 0.,
              decouple_wd: bool = False, backend: str = "auto") -> Optimizer:
@@ -54,6 +58,7 @@ def AdEMAMix(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: f
                      t_alpha_beta3=t_alpha_beta3, eps=eps, wd=wd, backend=backend)
 
 
+@torch_keywords()
 def StableAdamW(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-6,
                 wd: float = 1e-2, backend: str = "auto") -> Optimizer:
     """torch-optimi's `StableAdamW`: AdamW whose lr is divided, per param, by the RMS of `grad / sqrt(sqr_avg)` where
@@ -61,3 +66,28 @@ def StableAdamW(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom
     moments are optimi's debiased ones. State: `grad_avg`, `sqr_avg` (its `exp_avg`, `exp_avg_sq`) and `step`."""
     cbs = [step_stat, debiased_avgs, stable_lr, stable_decay, stable_adamw_step]
     return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
+
+
+@torch_keywords()
+def ScheduleFreeSGD(params: Any, lr: float | slice = 1.0, mom: float = 0.9, wd: float = 0., warmup_steps: int = 0,
+                    r: float = 0., weight_lr_power: float = 2., backend: str = "auto") -> Optimizer:
+    """schedulefree's `SGDScheduleFree`: `mom` is its `momentum`, `wd` its `weight_decay` (L2, at `y`). As there, it
+    starts in eval mode and refuses to step until `opt.train()`; `opt.eval()` puts the averaged weights in the params
+    (before validating or saving), `opt.train()` puts them back. cbopt's fastai integration does both for a Learner.
+    State: `z`, `step`, `weight_sum`, `lr_max` (schedulefree keeps the last three per group: `k`, ...)."""
+    if not 0 < mom < 1: raise ValueError(f"Momentum must be between 0 and 1 exclusive: {mom}")
+    cbs = [step_stat, schedule_free_weight, l2_reg, schedule_free_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power,
+                     backend=backend)
+
+
+@torch_keywords()
+def ScheduleFreeAdamW(params: Any, lr: float | slice = 2.5e-3, mom: float = 0.9, sqr_mom: float = 0.999,
+                      eps: float = 1e-8, wd: float = 0., warmup_steps: int = 0, r: float = 0., weight_lr_power: float = 2.,
+                      backend: str = "auto") -> Optimizer:
+    """schedulefree's `AdamWScheduleFree`: `mom`, `sqr_mom` are its `betas`, `wd` its `weight_decay` (added to the
+    normalized grad, at `y`). Modes as `ScheduleFreeSGD`'s (`opt.train()` before stepping, `opt.eval()` to evaluate).
+    State: `z`, `sqr_avg` (its `exp_avg_sq`), `step`, `weight_sum`, `lr_max`."""
+    cbs = [step_stat, schedule_free_weight, average_sqr_grad, adam_normalize_grad, l2_reg, schedule_free_step]
+    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, warmup_steps=warmup_steps, r=r,
+                     weight_lr_power=weight_lr_power, backend=backend)

@@ -11,7 +11,7 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .chain import around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain
+from .chain import around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, param_chain, unwrap
 from .engine import Backend, as_backend
 from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
@@ -203,6 +203,29 @@ class Optimizer(torch.optim.Optimizer):
                 if not split_flags(self.state.get(p, {}))[0]:
                     self.state[p].update(initial_state(self, p, g))
         engine.init_model_state(self)
+
+    # -- modes (schedule-free: train at one point, evaluate at another) ------------------------------------------
+    @torch.no_grad()
+    def train(self, mode: bool = True) -> Optimizer:
+        """Put the params where the chains train (schedule-free's `y`); `mode=False` (`eval()`): where they are
+        evaluated (its average `x`). In each group whose chain has a `train_mode` hyper and whose mode changes, the
+        callbacks' `on_train` (`on_eval`) run on every param with state. A chain without modes has one point: nothing
+        changes. A group in eval mode refuses to step. Returns the optimizer, as `nn.Module.train` does."""
+        hook = 'on_train' if mode else 'on_eval'
+        for g in self.param_groups:
+            if g.get('train_mode', mode) == mode: continue
+            fns = [f for cb in param_chain(g['cbs']) if (f := getattr(unwrap(cb), hook, None)) is not None]
+            hyper = Hypers(g).snapshot()
+            for p in g['params']:
+                state = split_flags(self.state.get(p, {}))[0]
+                if state:
+                    for f in fns: f(p, **{**state, **hyper})
+            g['train_mode'] = mode
+        return self
+
+    def eval(self) -> Optimizer:
+        "`train(False)`: the params where they are evaluated (schedule-free's average); call `train()` before stepping."
+        return self.train(False)
 
     # -- stepping ------------------------------------------------------------------------------------------------
     @torch.no_grad()

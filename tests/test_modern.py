@@ -34,6 +34,18 @@ def _optimi(name, ps, lr=1e-3, **kw):
     return getattr(optimi, name)(ps, lr=lr, **kw)
 
 
+def _schedulefree(name, ps, **kw):
+    import schedulefree
+    opt = getattr(schedulefree, name)(ps, **kw)
+    opt.train()  # both start in eval mode, and refuse to step there
+    return opt
+
+
+def _train_mode(make):
+    "A cbopt schedule-free optimizer, in train mode (as the reference is put)."
+    return lambda ps, **kw: make(ps, **kw).train()
+
+
 # id: (cbopt builder, reference builder, rtol), the same algorithm and hypers; non-default hypers far from the defaults
 CASES = {
     'lion':    (cbopt.Lion, _lion, 1e-6),
@@ -56,6 +68,16 @@ CASES = {
     'stableadamw-hypers': (partial(cbopt.StableAdamW, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-3, wd=0.3),  # clips 28 of 200
                            partial(_optimi, 'StableAdamW', lr=3e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3,
                                    foreach=False), 1e-6),
+    'sf-sgd': (_train_mode(cbopt.ScheduleFreeSGD), partial(_schedulefree, 'SGDScheduleFree'), 0.),  # bit for bit
+    'sf-sgd-hypers': (_train_mode(partial(cbopt.ScheduleFreeSGD, lr=0.3, mom=0.8, wd=0.1, warmup_steps=10, r=1.,
+                                          weight_lr_power=1.)),
+                      partial(_schedulefree, 'SGDScheduleFree', lr=0.3, momentum=0.8, weight_decay=0.1, warmup_steps=10,
+                              r=1., weight_lr_power=1., foreach=False), 0.),
+    'sf-adamw': (_train_mode(cbopt.ScheduleFreeAdamW), partial(_schedulefree, 'AdamWScheduleFree'), 0.),
+    'sf-adamw-hypers': (_train_mode(partial(cbopt.ScheduleFreeAdamW, lr=1e-2, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1,
+                                            warmup_steps=10, r=0.5)),
+                        partial(_schedulefree, 'AdamWScheduleFree', lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
+                                weight_decay=0.1, warmup_steps=10, r=0.5, foreach=False), 0.),
 }
 
 
@@ -69,11 +91,12 @@ def cbopt_run(name: str, backend, steps: int = STEPS, dtype=torch.float32):
     return model, opt
 
 
-def reference_run(name: str, steps: int = STEPS, dtype=torch.float32):
+def reference_run(name: str, steps: int = STEPS, dtype=torch.float32, with_opt: bool = False):
     "The reference class of case `name`, trained `steps` steps on a fresh `make_model`."
     model = make_model(dtype=dtype)
-    train(CASES[name][1](model.parameters()), model, steps)
-    return model
+    opt = CASES[name][1](model.parameters())
+    train(opt, model, steps)
+    return (model, opt) if with_opt else model
 
 
 @pytest.mark.parametrize('name', CASES)
@@ -111,3 +134,66 @@ def test_fastai_opt_func(name):
     assert isinstance(ours.opt, cbopt.Optimizer) and len(ours.recorder.losses) == 8
     assert_moved(ours.model, make_model())
     assert_rel_close(ours.model, ref.model, rtol=CASES[name][2])
+
+
+@pytest.mark.parametrize('name', ['sf-sgd-hypers', 'sf-adamw-hypers'])
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_schedule_free_modes_swap_as_schedulefree(name, backend):
+    """`opt.eval()` puts the averaged weights in the params and `opt.train()` puts the training point back, bit for bit
+    as schedulefree's; a step in eval mode is refused before anything changes; the mode is saved and loaded."""
+    ref, ref_opt = reference_run(name, steps=20, with_opt=True)
+    model, opt = cbopt_run(name, backend, steps=20)
+    y = [p.detach().clone() for p in model.parameters()]
+    opt.eval(), ref_opt.eval()
+    assert_same_params(model, ref, msg='eval:')
+    assert all((p - q).abs().max() > 1e-3 * q.abs().max() for p, q in zip(model.parameters(), y))  # x is not y
+    x = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r'eval mode .* call opt.train\(\) before opt.step\(\)'): train(opt, model, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), x))
+    assert opt.state_dict()['param_groups'][0]['train_mode'] is False
+    opt.eval()  # already there: nothing moves
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), x))
+    opt.train(), ref_opt.train()
+    assert_same_params(model, ref, msg='train:')
+    train(opt, model, 10, start=20), train(ref_opt, ref, 10, start=20)
+    assert_same_params(model, ref, msg='after:')
+
+
+def test_schedule_free_validates_on_the_average_in_a_fastai_learner():
+    """A Learner with `opt_func=cbopt.ScheduleFreeAdamW` validates on the averaged weights (cbopt's fastai integration
+    calls opt.eval() before validation and opt.train() before training): its validation losses are those of
+    schedulefree's AdamWScheduleFree driven by hand in the same loop, and not those of the training point."""
+    Learner = pytest.importorskip('fastai.learner').Learner
+    from fastai.callback.progress import ProgressCallback
+    from fastai.data.core import DataLoaders
+    from fastcore.basics import noop
+    from torch.utils.data import TensorDataset
+    from cbopt.integrations.fastai import OptimizerModes
+    import schedulefree
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
+    loss_fn, epochs, lr = torch.nn.MSELoss(), 3, 1e-2
+    dls = DataLoaders.from_dsets(TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), bs=8, shuffle=False)
+    learn = Learner(dls, make_model(), loss_fn, opt_func=partial(cbopt.ScheduleFreeAdamW, warmup_steps=5))
+    learn.remove_cb(ProgressCallback)
+    learn.logger = noop
+    learn.fit(epochs, lr=lr)
+    assert sum(isinstance(cb, OptimizerModes) for cb in learn.cbs) == 1
+    ours = [v[1] for v in learn.recorder.values]  # valid_loss per epoch
+
+    model = make_model()
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=lr, warmup_steps=5)
+    theirs, at_y = [], []
+    val = lambda: torch.stack([loss_fn(model(xb), yb) for xb, yb in zip(x[48:].split(8), y[48:].split(8))]).mean().item()
+    for _ in range(epochs):
+        opt.train()
+        for xb, yb in zip(x[:48].split(8), y[:48].split(8)):
+            loss_fn(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad(): at_y.append(val())
+        opt.eval()
+        with torch.no_grad(): theirs.append(val())
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert all(abs(a - b) > 1e-4 * b for a, b in zip(ours, at_y))  # the training point's losses differ: eval() matters
+    assert_rel_close(learn.model, model, rtol=1e-5)  # after fit: the averaged weights, as after opt.eval()

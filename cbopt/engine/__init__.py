@@ -176,6 +176,10 @@ def run_step(opt) -> None:
     is one graph break: the step runs as in eager mode, with `opt`'s backend. Traced by dynamo, a step count or lr
     held as a Python number would be guarded on and recompile every step, and the engine's bookkeeping (bucketing,
     probes, timing) would be traced too; `backend='fused'` compiles the chain itself, with dynamic lr and step."""
+    for i, g in enumerate(opt.param_groups):  # schedule-free's rule: a group in eval mode must not step
+        if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
+            raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "
+                               "opt.train() before opt.step(), and opt.eval() before evaluating or saving")
     plan = model_plan(opt)
     if not (plan[0] or plan[1]):
         snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}

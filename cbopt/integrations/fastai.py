@@ -15,6 +15,11 @@ It also offers `RecordStepStats`, a fastai `Callback` recording what each step u
 every group after warmup and schedulers, the pre-clip grad norm, whether the step was skipped) per batch, for plots
 next to `learn.recorder`'s. It is built on first access, which imports fastai: nothing else here does.
 
+- **Train and eval modes.** A schedule-free optimizer trains at one point and is evaluated at another (the average of
+  its iterates): `opt.eval()` before validating, `opt.train()` before training. fastai calls neither, so when a
+  Learner creates an optimizer whose chains have modes (a `train_mode` hyper), `add_modes_callback` gives the Learner
+  an `OptimizerModes` callback that does (once; built on first use, as `RecordStepStats`).
+
 fastai passes neither hint, so both look up the call stack for fastai.learner's frames. This never imports fastai:
 no frame can be fastai's unless `fastai.learner` is already imported. fastai's `Learner.fit` also calls
 `opt.set_hypers(lr=..., wd=...)` and its schedules set `mom`: every cbopt optimizer accepts those.
@@ -28,7 +33,8 @@ import torch
 
 from .. import optimizer as _optimizer
 
-__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model', 'RecordStepStats']
+__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model', 'add_modes_callback',
+           'RecordStepStats', 'OptimizerModes']
 
 MAX_DEPTH = 10  # frames between fastai's create_opt/load_model and cbopt (opt_func partials, Optimizer.__init__)
 
@@ -46,10 +52,15 @@ def fastai_frame(fn: str, depth: int = MAX_DEPTH) -> FrameType | None:
     return None
 
 
+def learner(depth: int = MAX_DEPTH + 3):
+    "The fastai Learner whose `create_opt` is building an optimizer, if any."
+    frame = fastai_frame('create_opt', depth)
+    return frame.f_locals.get('self') if frame else None
+
+
 def learner_model() -> torch.nn.Module | None:
     "The model of the fastai Learner whose `create_opt` is building an optimizer, if any."
-    frame = fastai_frame('create_opt', MAX_DEPTH + 2)
-    return getattr(frame.f_locals.get('self'), 'model', None) if frame else None
+    return getattr(learner(), 'model', None)
 
 
 def name_from_learner(opt) -> None:
@@ -63,7 +74,17 @@ def fresh_ok_in_load_model(opt) -> bool:
 
 
 _optimizer.on_create.append(name_from_learner)
+def add_modes_callback(opt) -> None:
+    "Give the Learner creating `opt` an `OptimizerModes` callback if `opt` has train and eval modes (and it has none)."
+    if not any('train_mode' in g for g in opt.param_groups): return
+    learn = learner()
+    if learn is None: return
+    cls = __getattr__('OptimizerModes')
+    if not any(isinstance(cb, cls) for cb in learn.cbs): learn.add_cb(cls())
+
+
 _optimizer.load_policies.append(fresh_ok_in_load_model)
+_optimizer.on_create.append(add_modes_callback)
 
 
 def _record_step_stats_class() -> type:
@@ -103,11 +124,32 @@ def _record_step_stats_class() -> type:
     return RecordStepStats
 
 
+def _optimizer_modes_class() -> type:
+    "fastai's `Callback` putting a schedule-free optimizer in train mode to train and eval mode to validate."
+    from fastai.callback.core import Callback
+
+    class OptimizerModes(Callback):
+        """`learn.opt.train()` before each training phase, `learn.opt.eval()` before each validation (and `get_preds`),
+        so that validation sees a schedule-free optimizer's averaged weights and training its own point. Added by
+        cbopt to a Learner whose optimizer has modes; after `fit` the model holds the averaged weights."""
+        order = -5  # early: the params are in place before any other callback of the phase reads them
+
+        def before_train(self):
+            if self.learn.opt is not None: self.learn.opt.train()
+
+        def before_validate(self):
+            if self.learn.opt is not None: self.learn.opt.eval()
+
+    OptimizerModes.__qualname__ = 'OptimizerModes'  # pickled (learn.export) by this module's name, found through __getattr__
+    return OptimizerModes
+
+
+_BUILDERS = {'RecordStepStats': _record_step_stats_class, 'OptimizerModes': _optimizer_modes_class}
 _BUILT: dict = {}
 
 
 def __getattr__(name: str):
-    "`RecordStepStats` is built, importing fastai, only when asked for."
-    if name != 'RecordStepStats': raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _BUILT: _BUILT[name] = _record_step_stats_class()
+    "`RecordStepStats` and `OptimizerModes` are built, importing fastai, only when asked for."
+    if name not in _BUILDERS: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT: _BUILT[name] = _BUILDERS[name]()
     return _BUILT[name]
