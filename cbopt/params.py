@@ -157,8 +157,8 @@ def _check_aliases(g: Mapping, i: int) -> None:
 
 
 def check_group_hypers(g: Mapping, i: int) -> None:
-    "The hypers a group dict gives itself are checked as the optimizer's are (`cbopt.hypers.check_hyper`)."
-    _check_aliases(g, i)
+    """The hypers a group dict gives itself are checked as the optimizer's are (`cbopt.hypers.check_hyper`); its
+    aliases were checked by `named_groups`, which every group comes from."""
     for k, v in g.items():
         if k not in NOT_HYPERS: check_hyper(k, v, i)
 
