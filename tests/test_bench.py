@@ -26,15 +26,17 @@ def quick_run(tmp_path_factory):
 def test_table_json_png(quick_run):
     stdout, out = quick_run
     results = json.loads((out / 'bench.json').read_text())
-    assert set(results['cases']) == {'gpt2', 'grid', 'lion'}
+    assert set(results['cases']) == {'gpt2', 'grid', 'lion', 'train'}
     names = [f'cbopt {b}' for b in results['backends']]
     assert 'loop' in results['backends']
     assert list(results['cases']['gpt2']['results']) == [*names, 'cbopt auto, compiled step', 'torch fused', 'torch foreach', 'torch loop', 'fastai']
     assert list(results['cases']['lion']['results']) == names
+    assert list(results['cases']['train']['results']) == ['eager: backward + Adam.step', 'functional, compiled',
+                                                           'functional, eager']
     for case in results['cases'].values():
         for name, r in case['results'].items():
             assert 'error' not in r, (name, r)
-            assert len(r['times']) == results['rounds'] and 'median_s' in r
+            assert len(r['times']) == case.get('rounds', results['rounds']) and 'median_s' in r
             assert f'| {name} ' in stdout  # a row of the printed table
     assert set(results['peak_mem_pct']) == set(results['cases']['gpt2']['results'])
     assert (out / 'bench.md').read_text().strip() in stdout
@@ -43,7 +45,7 @@ def test_table_json_png(quick_run):
 
 
 # The README: "the table warns when it exceeds 1e-6 (1e-5 for Lion)" (the largest param difference after 3 steps)
-README_TOLERANCE = {'gpt2': 1e-6, 'grid': 1e-6, 'lion': 1e-5}
+README_TOLERANCE = {'gpt2': 1e-6, 'grid': 1e-6, 'lion': 1e-5, 'train': 1e-6}
 
 
 def test_rows_compute_the_same_thing(quick_run):

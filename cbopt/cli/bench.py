@@ -11,6 +11,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
 4. Peak memory a step adds beyond params, grads and state, each optimizer in a fresh subprocess.
 5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to the bandwidth of two
    streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
+6. A whole train step on the demo's MLP: forward, `torch.func.grad` and `cbopt.functional(cbopt.Adam)`'s update,
+   compiled with `fullgraph=True` (and eager), against eager `loss.backward()` + `cbopt.Adam.step()`.
 """
 from __future__ import annotations
 
@@ -143,6 +145,51 @@ def fastai_adam(ps) -> Callable[[], None]:
 def lion_contenders(backends: list[str]) -> dict[str, Callable]:
     return {f'cbopt {b}': (lambda b: lambda ps: cbopt.Optimizer(ps, LION_CBS, **LION, **backend_kw(b)).step)(b)
             for b in backends}
+
+
+def train_contenders(compiler: str, bs: int = 64) -> tuple[dict[str, Callable[[], None]], Callable]:
+    """A train step on the demo's MLP (16-64-64-1) and one fixed batch: eager `loss.backward()` + `cbopt.Adam.step()`
+    (the reference), and forward + `torch.func.grad` + `cbopt.functional(cbopt.Adam)`'s update, eager and compiled
+    whole with `fullgraph=True`. Also returns `gap(steps)`: the largest param difference from the reference after
+    `steps` steps from the same start."""
+    from torch.func import functional_call, grad
+    from . import demo
+    x, y = demo.make_data()
+    x, y = x[:bs], y[:bs]
+    model0 = demo.make_model(x.shape[1])
+    fopt = cbopt.functional(cbopt.Adam, **ADAM)
+    mse = lambda params: torch.nn.functional.mse_loss(functional_call(model0, params, (x,)), y)
+    def train_step(params, state):
+        return fopt.update(params, grad(mse)(params), state)
+    compiled = torch.compile(train_step, fullgraph=True, backend=compiler)
+
+    def eager_optimizer():
+        model = demo.make_model(x.shape[1])
+        opt = cbopt.Adam(model.named_parameters(), **ADAM)
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return step, lambda: dict(model.named_parameters())
+
+    def functional_step(fn):
+        params = {k: v.detach().clone() for k, v in model0.named_parameters()}
+        box = [params, fopt.init(params)]
+        def step(): box[:] = fn(*box)
+        return step, lambda: box[0]
+
+    makers = {'eager: backward + Adam.step': eager_optimizer, 'functional, compiled': lambda: functional_step(compiled),
+              'functional, eager': lambda: functional_step(train_step)}
+
+    def gap(steps: int = 3) -> dict[str, float]:
+        finals = {}
+        for name, make in makers.items():
+            step, params = make()
+            for _ in range(steps): step()
+            finals[name] = torch.cat([p.detach().flatten() for p in params().values()])
+        ref = finals['eager: backward + Adam.step']
+        return {n: (f - ref).abs().max().item() for n, f in finals.items()}
+    return {name: make()[0] for name, make in makers.items()}, gap
 
 
 # bytes per element of the bandwidth references; `copy_` also reads the lines it overwrites (write-allocate) without
@@ -330,6 +377,17 @@ def lion_rows(case: dict, bw: float | None) -> tuple[list[str], list[list[str]]]
         fmt(gbs / bw * 100 if bw else None, '.0f', '%'), fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
 
 
+def train_rows(case: dict) -> tuple[list[str], list[list[str]]]:
+    res, ref = case['results'], 'eager: backward + Adam.step'
+    header = ['train step', 'step ms', 'best ms', '/ eager step', 'first step s', 'warm-up extra s']
+    rows = []
+    for name, r in res.items():
+        if 'error' in r: rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
+        else: rows.append([name, fmt(r['median_s'] * 1e3, '.2f'), fmt(min(r['times']) * 1e3, '.2f'),
+                           fmt(paired(res, name, ref), '.2f', 'x'), fmt(r['first_s'], '.2f'), fmt(r['warmup_extra_s'], '.2f')])
+    return header, rows
+
+
 def report(results: dict) -> str:
     "The tables of a run, as markdown."
     m, cases, streams = results['machine'], results['cases'], results['bandwidth_GBps']
@@ -339,13 +397,15 @@ def report(results: dict) -> str:
            f"steps. Bandwidth (`% of bw` is of the larger): " +
            ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.']
     titles = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
-              'lion': 'Lion (cbopt callbacks only) on the GPT-2 set'}
+              'lion': 'Lion (cbopt callbacks only) on the GPT-2 set',
+              'train': "A train step on the demo's MLP (forward, grad, Adam update)"}
     for key, case in cases.items():
-        header, rows = (lion_rows(case, bw) if key == 'lion' else
+        header, rows = (lion_rows(case, bw) if key == 'lion' else train_rows(case) if key == 'train' else
                         adam_rows(case, bw, results['peak_mem_pct'] if key == 'gpt2' else {}))
         gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
         note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
         shape = f"{case['tensors']:,} tensors, {case['numel']:,} params"
+        if key == 'train': shape += f", batch {case['batch']}, compiled with {case['compiler']}"
         out.append(f"**{titles[key]}** ({shape})\n\n{table(header, rows)}{note}")
     return '\n\n'.join(out)
 
@@ -355,8 +415,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib  # lazily: `import cbopt` never needs matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, axs = plt.subplots(2, 2, figsize=(13, 8))
-    titles = {'gpt2': 'Adam, GPT-2 set', 'grid': 'Adam, grid of small tensors', 'lion': 'Lion (callbacks), GPT-2 set'}
+    fig, axs = plt.subplots(2, (len(results['cases']) + 2) // 2, figsize=(6.5 * ((len(results['cases']) + 2) // 2), 8))
+    titles = {'gpt2': 'Adam, GPT-2 set', 'grid': 'Adam, grid of small tensors', 'lion': 'Lion (callbacks), GPT-2 set',
+              'train': "Train step, demo's MLP"}
     for ax, (key, case) in zip(axs.flat, results['cases'].items()):
         ok = {n: r for n, r in case['results'].items() if 'median_s' in r}
         bars = ax.barh(list(ok), [r['median_s'] * 1e3 for r in ok.values()],
@@ -366,7 +427,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set(title=f"{titles[key]}: {case['tensors']:,} tensors, {case['numel'] / 1e6:.1f}M params",
                xlabel='ms per step (median)')
     mem = {n: v for n, v in results['peak_mem_pct'].items() if v is not None}
-    ax = axs.flat[3]
+    ax = axs.flat[len(results['cases'])]
     bars = ax.barh(list(mem), list(mem.values()), color=['tab:blue' if n.startswith('cbopt') else 'tab:gray' for n in mem])
     ax.bar_label(bars, fmt='%.1f%%', padding=2, fontsize=8)
     ax.invert_yaxis()
@@ -392,6 +453,21 @@ def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmu
     gap = numerics_gap(contenders, ref, shapes)
     return {'numel': sum(math.prod(s) for _, s in shapes),
             'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
+
+
+TRAIN_ROWS = 3
+
+
+def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dict:
+    """The train step rows (`train_contenders`): 5x the rounds, as a step takes about a millisecond. A quick run
+    compiles with aot_eager (dynamo's graph without inductor's C++ codegen, which takes a minute on a busy CPU)."""
+    compiler = 'aot_eager' if quick else 'inductor'
+    steps, gap = train_contenders(compiler)
+    res = measure(steps, 5 * rounds, warmup, progress)
+    from . import demo
+    model = demo.make_model()
+    return {'numel': sum(p.numel() for p in model.parameters()), 'tensors': len(list(model.parameters())), 'batch': 64,
+            'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -424,7 +500,7 @@ def run(args: argparse.Namespace) -> dict:
     adam, lion = adam_contenders(backends), lion_contenders(backends)
     stream_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
     per = warmup + rounds
-    progress = Progress(per * (2 * len(adam) + len(STREAM_BYTES) + len(lion)) + len(adam))
+    progress = Progress(per * (2 * len(adam) + len(STREAM_BYTES) + len(lion)) + len(adam) + TRAIN_ROWS * (warmup + 5 * rounds))
     print(f"cbopt backends: {', '.join(backends)}", flush=True)
     cases = {}
     progress.set('Adam, GPT-2 small')
@@ -436,6 +512,8 @@ def run(args: argparse.Namespace) -> dict:
     cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
     progress.set('Lion, GPT-2 small')
     cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
+    progress.set("train step, demo's MLP")
+    cases['train'] = train_case(args.quick, rounds, warmup, progress)
     progress.set('peak memory')
     mem = peak_memory(list(adam), args.quick, backends, progress)
     progress.close()
