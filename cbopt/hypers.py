@@ -133,7 +133,6 @@ class Hypers(MutableMapping):
     def __iter__(self) -> Iterator: return (k for k in self.group if self._is_hyper(k))
     def __len__(self) -> int: return sum(1 for _ in self)
     def __repr__(self) -> str: return repr(dict(self))
-    def __eq__(self, o) -> bool: return dict(self) == (dict(o) if isinstance(o, Mapping) else o)
 
     def snapshot(self) -> dict:
         "The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback."

@@ -164,14 +164,12 @@ def check_group_hypers(g: Mapping, i: int) -> None:
 
 
 def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Raise a clear error naming the culprit for a non-tensor, non-leaf, duplicated or doubly named param, or a bad
-    hyper in a group dict."""
+    """Raise a clear error naming the culprit for a complex, non-float, non-leaf, duplicated or doubly named param, or a
+    bad hyper in a group dict (`groups` come from `named_groups`, which refuses anything but tensors)."""
     seen_names = dict(known or {})
     seen_ids = {id(t): n for n, t in seen_names.items()}
     for i, g in enumerate(groups):
         for name, t in zip(g['param_names'], g['params']):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"param {name!r} (group {i}) is {_a(t)}, not a Tensor")
             if t.is_complex():
                 raise TypeError(f"param {name!r} (group {i}) is complex ({t.dtype}): cbopt does not step complex params "
                                 "yet: keep its real and imaginary parts as a real param of shape (..., 2) and use "

@@ -57,6 +57,37 @@ def test_hypers_len_repr_eq() -> None:
     assert h == opt.hypers[0] and h != 3 and h != 'lr'
 
 
+def test_hypers_keys_and_errors() -> None:
+    "Reading a non-hyper is a KeyError naming it; writing one says it is not a hyper; a snapshot is the hypers alone."
+    g = group(momentum=0.9, **{'skip_nonfinite.skipped_total': 2})
+    h = cbopt.hypers.Hypers(g)
+    for k in ('params', 'param_names', 'momentum', 'skip_nonfinite.skipped_total'):
+        with pytest.raises(KeyError) as e: h[k]
+        assert e.value.args == (k,)
+    for k in ('params', 'chain', 'skip_nonfinite.skipped_total'):
+        with pytest.raises(KeyError) as e: h[k] = 1
+        assert e.value.args == (f"{k!r} is not a hyper",)
+    assert h.snapshot() == {'lr': 0.1, 'mom': 0.9} and dict(h) == h.snapshot()
+    h['wd'] = 0.5
+    assert g['wd'] == 0.5
+    del h['wd']
+    assert 'wd' not in g
+    assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 2}
+
+
+def test_torch_and_cbopt_names_of_one_hyper_must_agree() -> None:
+    """`weight_decay` and `wd` given together must be equal; tensors are the same only if they are the same tensor
+    (two tensors' `==` has no one truth value, and a number never equals a tensor here)."""
+    from cbopt.hypers import from_torch_names
+    t = torch.tensor(0.1)
+    assert from_torch_names({'weight_decay': 0.1, 'wd': 0.1}) == {'wd': 0.1}
+    assert from_torch_names({'weight_decay': t, 'wd': t})['wd'] is t
+    for a, b in ((t, torch.tensor(0.1)), (0.1, torch.tensor(0.1)), (t, 0.1), (0.1, 0.2)):
+        with pytest.raises(ValueError, match=r"^weight_decay=.* and wd=.* name one hyper: give one$"):
+            from_torch_names({'weight_decay': a, 'wd': b})
+    assert from_torch_names({'betas': (0.8, 0.9)}) == {'mom': 0.8, 'sqr_mom': 0.9}
+
+
 def test_numpy_values_become_python_numbers() -> None:
     "fastai's schedules write numpy scalars; a group stores them as Python numbers, so checkpoints load with weights_only."
     g = group()
