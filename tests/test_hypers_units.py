@@ -73,6 +73,9 @@ def test_hypers_keys_and_errors() -> None:
     del h['wd']
     assert 'wd' not in g
     assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 2}
+    for k in ('params', 'skip_nonfinite.skipped_total'):  # set_hyper's path: refused before any value is looked at
+        with pytest.raises(KeyError) as e: expand_hyper(k, 1, 2)
+        assert e.value.args == (f"{k!r} is not a hyper",)
 
 
 def test_torch_and_cbopt_names_of_one_hyper_must_agree() -> None:
