@@ -42,6 +42,9 @@ _VALUE_READS = frozenset({torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor
                           torch.Tensor.__index__, torch.Tensor.tolist})
 
 
+_SYM = {torch.sym_max: torch.maximum, torch.sym_min: torch.minimum}
+
+
 class FunctionalError(TypeError):
     "A callback that cannot run in the functional form: a whole-model callback, or an `if` on a tensor under vmap."
 
@@ -79,6 +82,9 @@ class _FunctionalMode(ScalarArgsAsTensors):
             src = args[1] if func is torch.Tensor.copy_ else \
                 super().__torch_function__(torch.Tensor.clamp, types, args, kwargs)  # (ScalarArgsAsTensors copies it in)
             return args[0].zero_().add_(src)
+        if func in _SYM and any(isinstance(a, torch.Tensor) for a in args):  # a number of the Optimizer is a tensor here
+            a, b = (v if isinstance(v, torch.Tensor) else torch.full_like(o, v) for v, o in (args, args[::-1]))
+            return _SYM[func](a, b)
         if func in _VALUE_READS:
             try: return func(*args, **(kwargs or {}))
             except RuntimeError as e:
@@ -122,6 +128,7 @@ class FunctionalOptimizer:
         self.dynamic = dynamic
         self.hypers = {k: v for k, v in hypers.items() if k not in dynamic}  # fixed: callbacks may branch on them
         self.defaults = dict(hypers)
+        self._regroup: Callable | None = None  # set by `functional` for a factory: see `init`
         self._reads = chain_reads(cbs) | set(STANDARD_HYPERS)
         # what the Optimizer keeps as Python numbers (step counts), by type, to convert back
         self._numbers = {k: type(v) for k, v in chain_initial_state(cbs, torch.zeros(1), hypers).items()
@@ -136,6 +143,13 @@ class FunctionalOptimizer:
         hypers under `'hypers'`. A chain with an undeclared (fastai-style) callback starts empty, as an Optimizer does:
         its first update creates the state (under torch.compile, that is one more trace)."""
         self._check_params(params)
+        if self._regroup is not None:  # a factory may group params by shape (Muon): the real ones must be one group
+            cbs, hypers = _one_group(self._regroup([(n, torch.empty(p.shape, dtype=p.dtype, device='meta'))
+                                                    for n, p in params.items()]))
+            if chain_name(cbs) != chain_name(self.cbs) or hypers != self.defaults:
+                raise ValueError(f"the factory gives these params the chain [{chain_name(cbs)}] with {hypers}, not "
+                                 f"[{chain_name(self.cbs)}] with {self.defaults} as it gave one param: make the "
+                                 "functional optimizer from a list of callbacks")
         declared = is_declared(self.cbs)
         state = {name: {k: _tensor(v, p) for k, v in init_chain_state(self.cbs, Slot(p)).items()} if declared else {}
                  for name, p in params.items()}
@@ -253,11 +267,17 @@ def _chain_and_hypers(factory_or_cbs: Any, hypers: Mapping) -> tuple[list, dict]
                             "as a list of callbacks")
     else: raise TypeError(f"functional() takes a factory (cbopt.Adam), an Optimizer or a list of callbacks, not "
                           f"{type(factory_or_cbs).__name__}")
+    return _one_group(opt)
+
+
+def _one_group(opt: Optimizer) -> tuple[list, dict]:
+    "The chain and hypers of an Optimizer whose param groups all run one chain with one set of hypers."
     chains = {chain_name(g['cbs']) for g in opt.param_groups}
     hs = [Hypers(g).snapshot() for g in opt.param_groups]
     if len(chains) > 1 or any(h != hs[0] for h in hs):
-        raise ValueError(f"functional() takes one chain and one set of hypers, but this optimizer's {len(hs)} param "
-                         "groups differ: make one functional optimizer per group")
+        raise ValueError(f"functional() runs one chain with one set of hypers, but this optimizer's {len(hs)} param "
+                         f"groups differ ({' and '.join(sorted(chains))}; e.g. Muon's matrices and the rest): make one "
+                         "functional optimizer per group")
     return list(opt.param_groups[0]['cbs']), hs[0]
 
 
@@ -266,4 +286,7 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
     """The pure form of an optimizer: `cbopt.functional(cbopt.Adam, lr=1e-3, wd=0.01)`, or of a chain:
     `cbopt.functional([cbopt.weight_decay, ...], lr=...)`, with the same hyper defaults and checks as the Optimizer.
     `dynamic` names the hypers kept as tensors in the state (default: `lr`; see the module docstring)."""
-    return FunctionalOptimizer(*_chain_and_hypers(factory_or_cbs, hypers), dynamic)
+    fopt = FunctionalOptimizer(*_chain_and_hypers(factory_or_cbs, hypers), dynamic)
+    if callable(factory_or_cbs) and not isinstance(factory_or_cbs, (Optimizer, list, tuple)):
+        fopt._regroup = lambda params: factory_or_cbs(params, **hypers)  # init checks how it groups the real params
+    return fopt

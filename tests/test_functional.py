@@ -66,6 +66,12 @@ def functional_of(c, lr: float = 1e-2) -> cbopt.FunctionalOptimizer:
     return cbopt.functional(lambda ps: c.build(ps, lr, 'loop'))
 
 
+def groups_differ(c) -> bool:
+    "The case's factory gives the test model's params several groups of different chains or hypers (Muon)."
+    opt = c.build(make_model(dtype=F64).named_parameters(), 1e-2, 'loop')
+    return len({(cbopt.chain_name(g['cbs']), repr(sorted(cbopt.Hypers(g).snapshot().items()))) for g in opt.param_groups}) > 1
+
+
 def model_cbs(c) -> list[str]:
     opt = c.build([torch.zeros(1, requires_grad=True)], 1e-2, 'loop')
     return [cb_name(cb) for cb in opt.param_groups[0]['cbs'] if is_model_cb(cb)]
@@ -79,6 +85,10 @@ def test_update_is_the_optimizer(c):
     state back; an Optimizer loading `to_state_dict` continues as `update` does."""
     if names := model_cbs(c):
         with pytest.raises(cbopt.FunctionalError, match=names[0]): functional_of(c)
+        return
+    if groups_differ(c):
+        with pytest.raises(ValueError, match='one chain with one set of hypers'):
+            functional_of(c).init(detached(make_model(dtype=F64)))
         return
     model = make_model(dtype=F64)
     ref = copy.deepcopy(model)
@@ -145,7 +155,7 @@ def vmap_vs_optimizers(fopt, models: list, build, steps: int, rtol: float) -> di
 def test_vmap_every_case(c):
     """`vmap(init)` and `vmap(update)` over an ensemble of 3 models equal 3 Optimizers, each on its own batches; or
     the error names a callback of the chain that cannot batch (Python control flow on the step count, a tensor here)."""
-    if model_cbs(c): return  # refused when built: test_update_is_the_optimizer
+    if model_cbs(c) or groups_differ(c): return  # refused: test_update_is_the_optimizer
     fopt = functional_of(c)
     try: vmap_vs_optimizers(fopt, ensemble(3, F64), lambda ps: c.build(ps, 1e-2, 'loop'), 8, 1e-12)
     except cbopt.FunctionalError as e:
@@ -168,7 +178,7 @@ def unroll(fopt, loss, params: dict, lr, steps: int, backprop: str) -> torch.Ten
 def test_differentiable_every_case(c):
     """d(held-out loss after 5 updates) / d(start params) along a random direction, and / d(lr), by autograd through
     `update` (float64) equal central finite differences of the whole unroll."""
-    if model_cbs(c): return
+    if model_cbs(c) or groups_differ(c): return  # refused: test_update_is_the_optimizer
     model = make_model(dtype=F64)
     fopt, loss, p0 = functional_of(c), loss_fn(model), detached(model)
     lr0 = fopt.defaults['lr']
