@@ -91,3 +91,31 @@ def test_lion_callbacks_follow_the_paper():
             m.copy_(h['sqr_mom'] * m + (1 - h['sqr_mom']) * p.grad)
         opt.step()
         for (_, p), r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_and_in_backward_rows(quick_run):
+    """Case 6: cbopt's clipped fused Adam matches torch's fused AdamW after clip_grad_norm_ (the README's 1e-6), next to
+    both unclipped steps; case 7: both variants of both models were measured, and in backward holds fewer grads."""
+    stdout, out = quick_run
+    results = json.loads((out / 'bench.json').read_text())
+    clip = results['clip']
+    assert list(clip['results']) == ['cbopt fused + clip', 'torch fused + clip_grad_norm_', 'cbopt fused', 'torch fused']
+    assert set(clip['numerics_gap']) == {'cbopt fused + clip', 'torch fused + clip_grad_norm_'}
+    assert max(clip['numerics_gap'].values()) <= 1e-6
+    assert all('median_s' in r for r in clip['results'].values())
+    for key in ('tied', 'untied'):
+        case = results['in_backward'][key]
+        assert case['normal']['grad_bytes'] == case['in_backward']['grad_bytes'] > 0
+        assert case['time_ratio'] is not None and f'GPT-2 shapes, {key}' in stdout
+
+
+def test_gpt2_model_has_the_gpt2_set():
+    "The InBackward case's model has exactly `gpt2_shapes`' tensors when tied (the untied one adds lm_head)."
+    tied = bench.GPT2(vocab=64, ctx=16, d=8, layers=2, heads=2)
+    named = {n.replace('attn_proj', 'attn.c_proj').replace('mlp_proj', 'mlp.c_proj').replace('c_attn', 'attn.c_attn')
+             .replace('c_fc', 'mlp.c_fc'): tuple(p.shape) for n, p in tied.named_parameters()}
+    assert named == dict(bench.gpt2_shapes(vocab=64, ctx=16, d=8, layers=2))
+    untied = bench.GPT2(vocab=64, ctx=16, d=8, layers=2, heads=2, tied=False)
+    assert len(list(untied.parameters())) == len(named) + 1
+    tied(torch.randint(64, (1, 5))).backward()
+    assert all(p.grad is not None for p in tied.parameters())

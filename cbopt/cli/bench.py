@@ -13,6 +13,10 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
    streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
 6. A whole train step on the demo's MLP: forward, `torch.func.grad` and `cbopt.functional(cbopt.Adam)`'s update,
    compiled with `fullgraph=True` (and eager), against eager `loss.backward()` + `cbopt.Adam.step()`.
+7. Global-norm clipping on the GPT-2 set: cbopt's fused Adam under `GradientClippingOptimizer` against torch's fused
+   AdamW after `clip_grad_norm_(foreach=True)`, and against cbopt's own fused step without clipping.
+8. `InBackward` on a model of GPT-2-small's shapes (tied and untied embeddings): the peak memory of forward + backward
+   + step against the normal step (each in a fresh subprocess), and the time of both, interleaved.
 """
 from __future__ import annotations
 
@@ -98,6 +102,119 @@ lion_avg.defaults = dict(sqr_mom=0.99)
 
 
 LION_CBS = [cbopt.weight_decay, lion_step, lion_avg]  # decoupled wd first: `p -= lr*wd*p` uses the old p
+
+
+# -- clipping: the contenders of case 7 --------------------------------------------------------------------------------
+CLIP_NORM = 5e-3  # below the grads' norm on both the GPT-2 set and the numerics check's tiny set: every step clips
+
+
+def clip_contenders() -> dict[str, Callable]:
+    "cbopt's fused Adam clipped by its wrapper, and torch's fused AdamW after torch's clip_grad_norm_ (foreach)."
+    kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
+    def torch_clipped(ps):
+        params = [p for _, p in ps]
+        opt = torch.optim.AdamW(params, **kw, fused=True)
+        def step():
+            torch.nn.utils.clip_grad_norm_(params, CLIP_NORM, foreach=True)
+            opt.step()
+        return step
+    cbopt_clipped = lambda ps: cbopt.GradientClippingOptimizer(cbopt.Adam(ps, **ADAM, backend='fused'),
+                                                               cbopt.GradientClipping.NORM, max_gradient=CLIP_NORM).step
+    return {'cbopt fused + clip': cbopt_clipped, 'torch fused + clip_grad_norm_': torch_clipped}
+
+
+def unclipped_contenders() -> dict[str, Callable]:
+    "The same two fused steps without clipping (their numerics differ from the clipped ones: not checked against them)."
+    adam = adam_contenders(['fused'])
+    return {'cbopt fused': adam['cbopt fused'], 'torch fused': adam['torch fused']}
+
+
+# -- InBackward: case 8 ---------------------------------------------------------------------------------------------
+class GPT2(torch.nn.Module):
+    """A GPT-2 with `gpt2_shapes`' params (and, untied, an `lm_head` of its own): causal self-attention, GELU MLP,
+    pre-LayerNorm. Enough of the real forward and backward that grads arrive in backward's order, one by one."""
+    def __init__(self, vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12, heads: int = 12,
+                 tied: bool = True):
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.wte, self.wpe = heads, nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(d), c_attn=nn.Linear(d, 3 * d), attn_proj=nn.Linear(d, d), ln_2=nn.LayerNorm(d),
+            c_fc=nn.Linear(d, 4 * d), mlp_proj=nn.Linear(4 * d, d))) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        if tied: self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        "The next-token cross-entropy of `idx` (batch, time)."
+        F = torch.nn.functional
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.h:
+            q, k, v = blk['c_attn'](blk['ln_1'](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            x = x + blk['attn_proj'](F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+            x = x + blk['mlp_proj'](F.gelu(blk['c_fc'](blk['ln_2'](x))))
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+
+
+def gpt2_model(quick: bool, tied: bool, seed: int = 0) -> GPT2:
+    torch.manual_seed(seed)
+    return GPT2(vocab=512, ctx=64, d=32, layers=2, heads=2, tied=tied) if quick else GPT2(tied=tied)
+
+
+TOKENS = 32  # one sequence of 32 tokens: activations stay small next to the params, as the grads are the question
+
+
+def train_step(quick: bool, tied: bool, in_backward: bool) -> Callable[[], None]:
+    "One forward + backward + step of a fresh GPT-2-shaped model with cbopt's Adam (torch's kernel), maybe in backward."
+    model = gpt2_model(quick, tied)
+    opt = cbopt.Adam(model.named_parameters(), **ADAM)
+    if in_backward: opt = cbopt.InBackward(opt)
+    idx = torch.randint(model.wte.num_embeddings, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(idx).backward()
+        opt.step()
+    step.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return step
+
+
+def train_step_peak(quick: bool, tied: bool, in_backward: bool) -> dict:
+    """The peak memory one training step adds (see `step_peak_memory`), after 2 steps that create the state; and the
+    bytes of all grads (what stepping in backward can save at most)."""
+    pin_mmap_threshold()
+    step = train_step(quick, tied, in_backward)
+    step(), step()
+    gc.collect()
+    Path('/proc/self/clear_refs').write_text('5')
+    before = _status_kb('VmRSS')
+    step()
+    return {'peak_bytes': (_status_kb('VmHWM') - before) * 1024, 'grad_bytes': step.grad_bytes}
+
+
+def in_backward_case(quick: bool, rounds: int, warmup: int, progress: Progress | None = None) -> dict:
+    "Case 8: peak memory of each variant in a fresh subprocess (in-process when quick), then both timed interleaved."
+    res = {}
+    for tied in (True, False):
+        row = {}
+        for inb in (False, True):
+            if quick: row[inb] = train_step_peak(quick, tied, inb)
+            else:
+                code = (f'import json, torch, cbopt.cli.bench as b; torch.set_num_threads({torch.get_num_threads()}); '
+                        f'print(json.dumps(b.train_step_peak(False, {tied}, {inb})))')
+                run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+                row[inb] = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
+            if progress: progress.update()
+        key = 'tied' if tied else 'untied'
+        normal, inb = row[False], row[True]
+        saved = None if not (normal and inb) else (normal['peak_bytes'] - inb['peak_bytes']) / normal['grad_bytes']
+        steps = {'normal': train_step(quick, tied, False), 'in backward': train_step(quick, tied, True)}
+        timing = measure(steps, rounds, warmup, progress)
+        del steps
+        gc.collect()
+        res[key] = dict(normal=normal, in_backward=inb, saved_of_grads=saved, results=timing,
+                        time_ratio=paired(timing, 'in backward', 'normal'))
+    return res
 
 
 # -- contenders: name -> factory(named params) -> step function --------------------------------------------------------
@@ -388,6 +505,32 @@ def train_rows(case: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def clip_rows(case: dict) -> tuple[list[str], list[list[str]]]:
+    "Case 7: each row against torch's clipped step and against cbopt's own unclipped fused step."
+    res = case['results']
+    header = ['optimizer', 'step ms', 'best ms', '/ torch fused + clip_grad_norm_', '/ cbopt fused', '/ torch fused',
+              'GB/s (Adam 28 B + norm 4 B)']
+    return _rows(case, ADAM_BYTES + 4, header, lambda name, r, gbs: [
+        *[fmt(paired(res, name, ref), '.2f', 'x') for ref in ('torch fused + clip_grad_norm_', 'cbopt fused', 'torch fused')],
+        fmt(gbs, '.1f')])
+
+
+def in_backward_rows(case: dict) -> tuple[list[str], list[list[str]]]:
+    "Case 8: peak memory a training step adds and its time, normal and in backward, tied and untied."
+    header = ['model', 'step', 'grads MB', 'peak MB', 'grads saved', 'step s', 'time / normal']
+    rows = []
+    for key, c in case.items():
+        for name, mem in (('normal', c['normal']), ('in backward', c['in_backward'])):
+            r = c['results'].get(name, {})
+            rows.append([f'GPT-2 shapes, {key}', name, fmt(mem and mem['grad_bytes'] / 2**20, '.1f'),
+                         fmt(mem and mem['peak_bytes'] / 2**20, '.1f'),
+                         fmt(c['saved_of_grads'] * 100 if name == 'in backward' and c['saved_of_grads'] is not None
+                             else None, '.0f', '%'),
+                         fmt(r.get('median_s'), '.2f'),
+                         fmt(c['time_ratio'] if name == 'in backward' else 1.0, '.2f', 'x')])
+    return header, rows
+
+
 def report(results: dict) -> str:
     "The tables of a run, as markdown."
     m, cases, streams = results['machine'], results['cases'], results['bandwidth_GBps']
@@ -407,6 +550,15 @@ def report(results: dict) -> str:
         shape = f"{case['tensors']:,} tensors, {case['numel']:,} params"
         if key == 'train': shape += f", batch {case['batch']}, compiled with {case['compiler']}"
         out.append(f"**{titles[key]}** ({shape})\n\n{table(header, rows)}{note}")
+    if 'clip' in results:
+        case = results['clip']
+        gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
+        note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
+        out.append(f"**Adam with global-norm clipping on the GPT-2 set** (max_norm {CLIP_NORM:g}: every step clips)"
+                   f"\n\n{table(*clip_rows(case))}{note}")
+    if 'in_backward' in results:
+        out.append(f"**InBackward: forward + backward + step** (cbopt.Adam, torch's kernel; one sequence of {TOKENS} "
+                   f"tokens)\n\n{table(*in_backward_rows(results['in_backward']))}")
     return '\n\n'.join(out)
 
 
@@ -442,11 +594,13 @@ def plot(results: dict, path: Path) -> None:
 
 # -- main -----------------------------------------------------------------------------------------------------------
 def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmup: int, progress: Progress,
-             extra: dict[str, Callable[[], None]] | None = None, ref: str = 'torch fused', tol: float = 1e-6) -> dict:
-    """Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `extra` step functions;
-    then check that they compute the same thing (after timing, so that a first compilation is timed as a user sees it)."""
+             extra: dict[str, Callable[[], None]] | None = None, ref: str = 'torch fused', tol: float = 1e-6,
+             unchecked: dict[str, Callable] | None = None) -> dict:
+    """Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `unchecked` ones (other
+    numerics: timed only) and `extra` step functions; then check that `contenders` compute the same thing (after
+    timing, so that a first compilation is timed as a user sees it)."""
     ps = make_params(shapes)
-    steps = {**{n: f(ps) for n, f in contenders.items()}, **(extra or {})}
+    steps = {**{n: f(ps) for n, f in {**contenders, **(unchecked or {})}.items()}, **(extra or {})}
     res = measure(steps, rounds, warmup, progress)
     del steps, ps
     gc.collect()
@@ -470,6 +624,9 @@ def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dic
             'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
 
 
+PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward')
+
+
 def main(argv: list[str] | None = None) -> dict:
     "Run the benchmark; print the tables, write bench.json and bench.png to `--out`; return the results."
     parser = argparse.ArgumentParser(prog='python -m cbopt bench', description=__doc__,
@@ -479,7 +636,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--warmup', type=int, default=2, help='untimed steps before the rounds, the first included')
     parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
+    parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
+                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8)")
     args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(',') if p.strip()]
+    if unknown := [p for p in args.only if p not in PARTS]: parser.error(f"unknown part(s) {unknown}: expected {PARTS}")
     if args.threads: torch.set_num_threads(args.threads)
     if args.quick: return run(args)
     before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
@@ -500,32 +661,48 @@ def run(args: argparse.Namespace) -> dict:
     adam, lion = adam_contenders(backends), lion_contenders(backends)
     stream_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
     per = warmup + rounds
-    progress = Progress(per * (2 * len(adam) + len(STREAM_BYTES) + len(lion)) + len(adam) + TRAIN_ROWS * (warmup + 5 * rounds))
+    clip, unclipped = clip_contenders(), unclipped_contenders()
+    todo = set(args.only)
+    progress = Progress(per * (('adam' in todo) * (2 * len(adam) + len(STREAM_BYTES)) + ('lion' in todo) * len(lion)
+                               + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
+                        + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
+                        + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds))
     print(f"cbopt backends: {', '.join(backends)}", flush=True)
-    cases = {}
-    progress.set('Adam, GPT-2 small')
-    cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra=stream_contenders(stream_n))
-    streams = {k: cases['gpt2']['results'].pop(k) for k in STREAM_BYTES}
-    bandwidth = {k: STREAM_BYTES[k] * stream_n / r['median_s'] / 1e9 if 'median_s' in r else None
-                 for k, r in streams.items()}
-    progress.set('Adam, 64x64 grid')
-    cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
-    progress.set('Lion, GPT-2 small')
-    cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
-    progress.set("train step, demo's MLP")
-    cases['train'] = train_case(args.quick, rounds, warmup, progress)
-    progress.set('peak memory')
-    mem = peak_memory(list(adam), args.quick, backends, progress)
+    cases, streams, bandwidth, mem, parts = {}, {}, {}, {}, {}
+    if 'adam' in todo:
+        progress.set('Adam, GPT-2 small')
+        cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra=stream_contenders(stream_n))
+        streams = {k: cases['gpt2']['results'].pop(k) for k in STREAM_BYTES}
+        bandwidth = {k: STREAM_BYTES[k] * stream_n / r['median_s'] / 1e9 if 'median_s' in r else None
+                     for k, r in streams.items()}
+        progress.set('Adam, 64x64 grid')
+        cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
+    if 'lion' in todo:
+        progress.set('Lion, GPT-2 small')
+        cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
+    if 'train' in todo:
+        progress.set("train step, demo's MLP")
+        cases['train'] = train_case(args.quick, rounds, warmup, progress)
+    if 'clip' in todo:
+        progress.set('Adam + clipping, GPT-2 small')
+        parts['clip'] = run_case(clip, sets['gpt2'], rounds, warmup, progress, ref='torch fused + clip_grad_norm_',
+                                 unchecked=unclipped)
+    if 'adam' in todo:
+        progress.set('peak memory')
+        mem = peak_memory(list(adam), args.quick, backends, progress)
+    if 'in_backward' in todo:
+        progress.set('InBackward')
+        parts['in_backward'] = in_backward_case(args.quick, rounds, warmup, progress)
     progress.close()
     results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
-                   peak_mem_pct=mem, cases=cases)
+                   peak_mem_pct=mem, cases=cases, **parts)
     text = report(results)
     print('\n' + text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / 'bench.json').write_text(json.dumps(results, indent=1))
     (out / 'bench.md').write_text(text + '\n')
-    plot(results, out / 'bench.png')
-    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    if cases: plot(results, out / 'bench.png')
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if cases else ''))
     return results
