@@ -34,7 +34,9 @@ them (`split_chain`). Its declarations:
   passed to it as lists of TensorLists aligned with `params`;
 - `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
 - returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
-  returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr).
+  returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);
+  returning `grad_scale=t` (a 0-d tensor) multiplies every grad the rest of the step sees by `t` without a pass of
+  its own: torch's fused kernel folds it into its step, other runners get scaled copies (clip_grad_norm's coefficient).
 
 This module imports nothing from cbopt: every other module may import it.
 """
@@ -53,7 +55,7 @@ __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads
            'model_param_state', 'model_key', 'around_params']
 
 SCOPES = ('element', 'tensor', 'model')
-ENGINE_KEYS = ('skip', 'hypers')  # what a whole-model callback may return to the engine, beside its state
+ENGINE_KEYS = ('skip', 'hypers', 'grad_scale')  # what a whole-model callback may return to the engine, beside its state
 
 
 def unwrap(cb: Callable) -> Callable:

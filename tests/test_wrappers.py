@@ -360,3 +360,32 @@ def test_track_grad_norm(clipping, norm_type):
         tracked.step(); plain.step()
         assert torch.equal(tracked.last_total_grad_norm, expected) and plain.last_total_grad_norm is None
         for p, q in zip(m.parameters(), m2.parameters()): assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize('chunk', [16, 1 << 20], ids=['cut-into-runs-of-16', 'default-runs'])
+def test_clipped_fused_adam_is_torchs_clip_then_fused_adamw(chunk, monkeypatch):
+    """Clipping under torch's fused kernel folds the coefficient into the kernel's pass (scaled copies of cache-sized
+    runs of the grads, params cut where a run ends): bit for bit torch's clip_grad_norm_(foreach=True) then its fused
+    AdamW, the kernel called once per run, and the user's grads left as they were."""
+    from cbopt.engine import kernels
+    monkeypatch.setattr(kernels, 'SCALE_CHUNK', chunk)
+    calls = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    m, ref_m = model(), model()
+    opt = cbopt.GradientClippingOptimizer(cbopt.Adam(m.parameters(), lr=0.01, backend='fused'), GradientClipping.NORM, 0.05)
+    opt.init_state()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01, fused=True)
+    for step in range(6):
+        grads(m, step); grads(ref_m, step)
+        user_grads = [p.grad.clone() for p in m.parameters()]
+        torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.05, foreach=True)
+        calls.clear()
+        opt.step()
+        ours = list(calls)
+        ref.step()
+        assert opt.step_stats['grad_norm'] > 0.05  # it clipped
+        for p, q, g in zip(m.parameters(), ref_m.parameters(), user_grads):
+            assert torch.equal(p, q) and torch.equal(p.grad, g)
+    numel = sum(p.numel() for p in m.parameters())
+    assert len(ours) == 1 if chunk >= numel else len(ours) >= math.ceil(numel / chunk)  # runs of at most `chunk`

@@ -200,7 +200,9 @@ def _run_model_step(opt, plan: tuple) -> None:
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
     stats: dict = {'skipped': False}
     staged = []  # (group, {entry: value}): committed once no callback skips the step
+    scales: dict = {}  # id(group) -> the grad scale its params' grads still owe (see `_owe_scale`)
     for cb, groups in plan[0]:
+        _pay_scales(opt, scales)
         out = _run_model_cb(opt, cb, groups, snapshots)
         new = {model_key(cb, k): v for k, v in out.items() if k not in ENGINE_KEYS and k in _declared(cb, 'state')}
         stats.update({k: v for k, v in out.items() if k not in ENGINE_KEYS})
@@ -215,9 +217,12 @@ def _run_model_step(opt, plan: tuple) -> None:
                 raise ValueError(f"whole-model callback {cb_name(cb)!r} returned hypers for {len(hs)} groups, not {len(groups)}")
             for g, h in zip(groups, hs): overrides.setdefault(id(g), {}).update(h)
             snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
+        if out.get('grad_scale') is not None:
+            for g in groups: scales[id(g)] = out['grad_scale'] if id(g) not in scales else scales[id(g)] * out['grad_scale']
     else:
         for g, new in staged: g.update(new)
-        _run_buckets(opt, snapshots)
+        _run_buckets(opt, snapshots, scales=scales)
+        scales.clear()  # (paid by the buckets)
         for cb, groups in plan[1]:
             out = _run_model_cb(opt, cb, groups, snapshots)
             if out.get('skip') or out.get('hypers') is not None:
@@ -230,14 +235,40 @@ def _run_model_step(opt, plan: tuple) -> None:
     opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], **stats}
 
 
-def _run_buckets(opt, snapshots: Mapping, check: bool = False) -> None:
-    "The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads)."
-    kind = opt.backend_options.kind
+def _scale_grads(params: list, scale) -> None:
+    "Give `params` their grads times `scale`, out of place (`run_step` gives each param its own grad back)."
+    by_device: dict = {}
+    for p in params: by_device.setdefault(p.grad.device, []).append(p)
+    for device, ps in by_device.items():
+        for p, g in zip(ps, torch._foreach_mul([p.grad for p in ps], scale.to(device))): p.grad = g
+
+
+def _pay_scales(opt, scales: dict) -> None:
+    "Apply the grad scales groups still owe (a whole-model callback reads the grads next), and forget them."
+    for g in opt.param_groups:
+        if id(g) in scales: _scale_grads([p for p in g['params'] if p.grad is not None], scales[id(g)])
+    scales.clear()
+
+
+def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None) -> None:
+    """The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads).
+    `scales` (id(group) -> 0-d tensor, from `clip_grad_norm`) multiply those groups' grads: inside torch's fused
+    kernel where one steps the bucket (`fused`, `auto`), on scaled copies of the bucket's grads otherwise."""
+    kind, scales = opt.backend_options.kind, scales or {}
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
         if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
         for g, ps in todo:
-            if ps: loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
+            if not ps: continue
+            if id(g) in scales: _scale_grads(ps, scales[id(g)])
+            loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
         return
     run = RUNNERS[kind]
-    for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None): run(opt, b, snapshots[id(b.group)])
+    for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None):
+        hyper, scale = snapshots[id(b.group)], scales.get(id(b.group))
+        if scale is not None:
+            if kind in ('fused', 'auto') and (kernel := torch_kernel(b, hyper, scale)) is not None:
+                kernel()
+                continue
+            _scale_grads(b.params, scale)
+        run(opt, b, hyper)

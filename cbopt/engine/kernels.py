@@ -25,18 +25,47 @@ def register_kernel(cbs: Iterable[Callable], kernel: Kernel) -> None:
     KERNELS[chain_sig(cbs)] = kernel
 
 
-def torch_kernel(b: Bucket, hyper: Mapping) -> Callable[[], None] | None:
-    "A function stepping `b` with torch's fused kernel for its chain, or None if none applies."
+def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
+    """A function stepping `b` with torch's fused kernel for its chain, or None if none applies. `grad_scale` (a 0-d
+    tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees: the kernel
+    adapter folds it into its pass, never writing into the grads."""
     kernel = KERNELS.get(chain_sig(b.cbs))
-    return None if kernel is None else kernel(b, hyper)
+    if kernel is None: return None
+    return kernel(b, hyper) if grad_scale is None else kernel(b, hyper, grad_scale=grad_scale)
+
+
+SCALE_CHUNK = 1 << 20  # elements of scaled grads made just before the kernel reads them: they stay in cache (4 MiB fp32)
+
+
+def _scaled_slices(b: Bucket, scale: torch.Tensor, keys: tuple[str, ...]):
+    """`b`'s params, grads times `scale` and state `keys`, as flat slices in runs of at most `SCALE_CHUNK` elements
+    (a large param is cut, a small one joins others): each run's scaled grads are written into one reused buffer, so
+    the kernel reads them from cache and the grads themselves are read once and never written (the grad contract)."""
+    p0 = b.params[0]
+    buf = torch.empty(min(SCALE_CHUNK, sum(p.numel() for p in b.params)), dtype=p0.dtype, device=p0.device)
+    scale = scale.to(device=p0.device, dtype=p0.dtype)
+    run, used = ([], [], *([] for _ in keys)), 0
+    for p, st in zip(b.params, b.states):
+        flats = (p.view(-1), p.grad.view(-1), *(st[k].view(-1) for k in keys))
+        for a in range(0, p.numel(), SCALE_CHUNK):
+            n = min(SCALE_CHUNK, p.numel() - a)
+            if used + n > len(buf):
+                yield run
+                run, used = ([], [], *([] for _ in keys)), 0
+            run[0].append(flats[0][a:a + n])
+            run[1].append(torch.mul(flats[1][a:a + n], scale, out=buf[used:used + n]))
+            for lst, f in zip(run[2:], flats[2:]): lst.append(f[a:a + n])
+            used += n
+    if run[0]: yield run
 
 
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
 
 
-def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False) -> Callable[[], None] | None:
+def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False,
+                grad_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
-    `negate_grad`), or None if it does not apply."""
+    `negate_grad`; with `grad_scale`: on the grads times it, e.g. clipped), or None if it does not apply."""
     st, p0 = b.states[0], b.params[0]
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
     if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
@@ -48,12 +77,17 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False) -> Callable[[
     # contiguous grad, channels_last) or it silently pairs the wrong elements
     if any(p.grad.stride() != p.stride() or s['grad_avg'].stride() != p.stride() or s['sqr_avg'].stride() != p.stride()
            for p, s in zip(b.params, b.states)): return None
+    if grad_scale is not None and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     def run():
         step = st['step'] + 1
-        steps = [torch.tensor(float(step), device=p0.device)] * len(b.params)
-        torch._fused_adamw_(b.params, [p.grad for p in b.params], [s['grad_avg'] for s in b.states],
-                            [s['sqr_avg'] for s in b.states], [], steps, lr=hyper['lr'], beta1=hyper['mom'],
-                            beta2=hyper['sqr_mom'], weight_decay=hyper['wd'] if st.get('do_wd', True) else 0.,
-                            eps=hyper['eps'], amsgrad=False, maximize=maximize)
+        step_t = torch.tensor(float(step), device=p0.device)
+        kw = dict(lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], eps=hyper['eps'], amsgrad=False,
+                  weight_decay=hyper['wd'] if st.get('do_wd', True) else 0., maximize=maximize)
+        if grad_scale is None:
+            torch._fused_adamw_(b.params, [p.grad for p in b.params], [s['grad_avg'] for s in b.states],
+                                [s['sqr_avg'] for s in b.states], [], [step_t] * len(b.params), **kw)
+        else:
+            for ps, gs, ms, vs in _scaled_slices(b, grad_scale, ('grad_avg', 'sqr_avg')):
+                torch._fused_adamw_(ps, gs, ms, vs, [], [step_t] * len(ps), **kw)
         for s in b.states: s['step'] = step
     return run
