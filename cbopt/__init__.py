@@ -25,6 +25,7 @@ from .wrappers import Accumulate, GradientClippingOptimizer, SkipNonFinite, Warm
 from .combined import CombinedOptimizer
 from .in_backward import InBackward
 from .pure import FunctionalError, FunctionalOptimizer, functional
+from . import optim
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',

@@ -19,6 +19,8 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
   Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
 - `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
   they are not the common ones (`cbopt.state.formats.TORCH_HYPER_KEYS`), so that torch's state_dict loads them;
+- `cb.torch_state = dict(momentum_buffer='mom_buf')`: torch.optim's state names for the state it creates, where they
+  are not the common ones (`cbopt.state.formats.TORCH_STATE_KEYS`);
 - `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
   with another value is refused).
 

@@ -135,8 +135,11 @@ class Hypers(MutableMapping):
     def __repr__(self) -> str: return repr(dict(self))
 
     def snapshot(self) -> dict:
-        "The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback."
-        return {k: v for k, v in self.group.items() if self._is_hyper(k)}
+        """The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback.
+        A 1-element tensor hyper of any shape (a tensor lr of shape [1] or [1, 1]) is given as a 0-d view of itself,
+        which torch's ops take wherever they take a number."""
+        return {k: v.view(()) if isinstance(v, torch.Tensor) and v.ndim else v
+                for k, v in self.group.items() if self._is_hyper(k)}
 
 
 def _is_in(lo: float, hi: float | None = None, hi_open: bool = True) -> Callable[[Any], bool]:
@@ -229,7 +232,8 @@ def expand_hyper(k: str, v: Any, n: int) -> list:
         if v.start: v = even_mults(v.start, v.stop, n)
         else: v = [v.stop / 10] * (n - 1) + [v.stop]
     v = _plain(v)  # numpy scalars (fastai's schedules) have no len(): make them plain numbers first
-    if v is None or (isinstance(v, (str, bytes, torch.Tensor)) and getattr(v, 'ndim', 0) == 0): v = [v]  # one value
+    if v is None or isinstance(v, (str, bytes)) or (isinstance(v, torch.Tensor) and (v.ndim == 0 or v.numel() == 1)):
+        v = [v]  # one value: a 1-element tensor of any shape (a tensor lr) is kept as it is, so in-place changes reach the step
     v = L(v, use_list=None)
     per_group = len(v) > 1  # then an error names the group of the bad value
     if len(v) == 1: v = v * n

@@ -1,5 +1,6 @@
 """Step callbacks for torch.optim's algorithms that cbopt's own callbacks do not cover: Adagrad, Adadelta, Adamax,
-NAdam, ASGD, Rprop, Adafactor and Muon (listed into optimizers in `cbopt.torch_optimizers`).
+NAdam, ASGD, Rprop, Adafactor, Muon and torch's RMSprop (listed into optimizers in `cbopt.torch_optimizers`
+and `cbopt.optim`).
 
 Each follows torch's `_single_tensor_<algo>` float op for float op where it can, so the results stay within rounding
 of torch's classes; what cbopt already has is reused (`l2_reg`/`weight_decay`, `average_grad`, `average_sqr_grad`,
@@ -17,7 +18,7 @@ from .chain import declared_for, per_tensor, zeros
 
 __all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
            'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'muon_momentum', 'newton_schulz',
-           'muon_step']
+           'muon_step', 'centered_grad_avg', 'torch_rmsprop_step', 'torch_rmsprop_momentum_step']
 
 
 def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
@@ -225,3 +226,36 @@ muon_step.defaults = dict(ns_a=3.4445, ns_b=-4.775, ns_c=2.0315, ns_steps=5, eps
 muon_step.state = {}
 muon_step.scope = 'tensor'
 muon_step.torch_names = dict(ns_coefficients=('ns_a', 'ns_b', 'ns_c'), ns_steps='ns_steps', adjust_lr_fn='adjust_lr_fn')
+
+
+def centered_grad_avg(p, sqr_mom, grad_avg=None, **kwargs):
+    "torch.optim.RMSprop's `centered` mean of the grads (torch's `grad_avg`), moved `1 - alpha` towards the grad."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.data)
+    grad_avg.lerp_(p.grad.data, 1 - sqr_mom)
+    return {'grad_avg': grad_avg}
+centered_grad_avg.state = dict(grad_avg=zeros)
+
+
+def _rmsprop_denom(sqr_avg, grad_avg, eps):
+    "torch's RMSprop denominator: `sqrt(sqr_avg - grad_avg**2) + eps` when centered (a `grad_avg`), else `sqrt(sqr_avg) + eps`."
+    v = sqr_avg if grad_avg is None else sqr_avg.addcmul(grad_avg, grad_avg, value=-1)
+    return v.sqrt().add_(eps)
+
+
+def torch_rmsprop_step(p, lr, eps, sqr_avg, grad_avg=None, **kwargs):
+    "torch.optim.RMSprop's step without momentum: `p -= lr * grad / rms` (`rms` centered when the chain keeps `grad_avg`)."
+    p.data.addcdiv_(p.grad.data, _rmsprop_denom(sqr_avg, grad_avg, eps), value=-lr)
+torch_rmsprop_step.defaults = dict(eps=1e-8)
+torch_rmsprop_step.state = {}
+
+
+def torch_rmsprop_momentum_step(p, lr, mom, eps, sqr_avg, grad_avg=None, mom_buf=None, **kwargs):
+    """torch.optim.RMSprop's step with momentum (unlike fastai's, which averages the grads before dividing):
+    `mom_buf = mom * mom_buf + grad / rms` (torch's `momentum_buffer`), then `p -= lr * mom_buf`."""
+    if mom_buf is None: mom_buf = torch.zeros_like(p.data)
+    mom_buf.mul_(mom).addcdiv_(p.grad.data, _rmsprop_denom(sqr_avg, grad_avg, eps))
+    p.data.add_(mom_buf, alpha=-lr)
+    return {'mom_buf': mom_buf}
+torch_rmsprop_momentum_step.defaults = dict(eps=1e-8)
+torch_rmsprop_momentum_step.state = dict(mom_buf=zeros)
+torch_rmsprop_momentum_step.torch_state = dict(momentum_buffer='mom_buf')  # not SGD's momentum_buffer (grad_avg)

@@ -69,7 +69,9 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False,
     st, p0 = b.states[0], b.params[0]
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
     if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
-    if 'dampening' in hyper or not _is_float(hyper['lr'], hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
+    lr = hyper['lr']  # a number, or a tensor on the params' device (the kernel takes either: a tensor lr is read in it)
+    lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == b.params[0].device)
+    if 'dampening' in hyper or not lr_ok or not _is_float(hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
     if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
     if any(p.grad.dtype != p0.dtype for p in b.params): return None

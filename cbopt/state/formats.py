@@ -14,7 +14,7 @@ from .flags import split_flags
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
 __all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE', 'TORCH_CHAIN_FLAGS',
-           'torch_hyper_names']
+           'torch_hyper_names', 'torch_state_names']
 
 # torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
 TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg',
@@ -44,6 +44,13 @@ def torch_hyper_names(cbs) -> dict:
     return names
 
 
+def torch_state_names(cbs) -> dict:
+    "torch's state names -> cbopt's for the chain `cbs`: the common table, and what its callbacks declare (`cb.torch_state`)."
+    names = dict(TORCH_STATE_KEYS)
+    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_state', None) or {})
+    return names
+
+
 def _check_flags(i: int, g: Mapping, cbs) -> None:
     "A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm."
     for flag in TORCH_CHAIN_FLAGS:
@@ -59,17 +66,18 @@ def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
     groups, ours = sd['param_groups'], opt.param_groups
     if len(groups) != len(ours):
         raise ValueError(f"the torch.optim state_dict has {len(groups)} param groups, this optimizer {len(ours)}")
-    id2name, out_groups = {}, []
+    id2name, id2keys, out_groups = {}, {}, []
     for i, (g, mine) in enumerate(zip(groups, ours)):
         if len(g['params']) != len(mine['params']):
             raise ValueError(f"param group {i} has {len(g['params'])} params in the torch.optim state_dict, "
                              f"{len(mine['params'])} here")
-        their_names = g.get('param_names')
+        their_names, state_keys = g.get('param_names'), torch_state_names(mine['cbs'])
         for j, (pid, name) in enumerate(zip(g['params'], mine['param_names'])):
             if their_names is not None and not _is_positional(opt.param_names) and their_names[j] != name:
                 raise ValueError(f"param {j} of group {i} is {their_names[j]!r} in the torch.optim state_dict "
                                  f"but {name!r} here")
             id2name[pid] = name
+            id2keys[pid] = state_keys
         _check_flags(i, g, mine['cbs'])
         hypers, names = {}, torch_hyper_names(mine['cbs'])
         for k, v in g.items():
@@ -84,7 +92,7 @@ def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
         for k, v in s.items():
             if v is None: continue
             if k == 'step': v = int(v.item()) if isinstance(v, torch.Tensor) else int(v)
-            new[TORCH_STATE_KEYS.get(k, k)] = v
+            new[id2keys[pid].get(k, k)] = v
         state[id2name[pid]] = new
     return {'state': state, 'param_groups': out_groups}
 

@@ -1,0 +1,226 @@
+"""`cbopt.optim`: torch.optim's classes with torch's signatures and defaults, built from cbopt's callbacks.
+
+Change `torch.optim.AdamW(...)` to `cbopt.optim.AdamW(...)`: the same arguments give the same numbers (within float
+rounding), and the optimizer is a full cbopt `Optimizer` (named state, `backend`, callbacks, wrappers). Each class
+maps torch's arguments onto a cbopt chain and fastai's hyper names (`betas` are `mom`/`sqr_mom`, `weight_decay` is
+`wd`, RMSprop's `alpha` is `sqr_mom`...), in keywords and in group dicts alike. torch's implementation switches choose
+cbopt's backend: `foreach=True` is `'foreach'`, `foreach=False` is `'loop'`, `fused=True` is `'fused'`, neither is
+`'auto'`. `capturable` is accepted and changes nothing (cbopt's step count is a Python number; on CPU torch's capturable
+path computes the same numbers); `differentiable=True` is refused (cbopt steps in place under `no_grad`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import optimizers as _fastai
+from . import torch_optimizers as _torch
+from .callbacks import average_sqr_grad
+from .hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
+from .optimizer import Optimizer
+from .optimizers import _decay, maximizing
+from .torch_callbacks import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
+
+__all__ = ['SGD', 'Adam', 'AdamW', 'RMSprop', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop',
+           'Adafactor']
+
+Params = Any
+# torch's switches that name the algorithm in a torch group dict: a group may repeat the constructor's value
+_FLAGS = ('amsgrad', 'maximize', 'foreach', 'fused', 'capturable', 'differentiable', 'nesterov', 'centered',
+          'decoupled_weight_decay')
+
+
+def _backend(cls: str, foreach: bool | None, fused: bool | None, differentiable: bool) -> str:
+    "cbopt's backend for torch's `foreach` / `fused`; `differentiable` is refused."
+    if differentiable:
+        raise ValueError(f"cbopt.optim.{cls}(differentiable=True) is not supported: cbopt steps params in place under "
+                         "torch.no_grad(), so no autograd graph runs through the step (use torch.optim for that)")
+    if fused and foreach: raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return 'fused' if fused else 'foreach' if foreach else 'loop' if foreach is False else 'auto'
+
+
+def _torch_groups(params: Params, names: Mapping, flags: Mapping) -> Params:
+    """`params` with torch's names in its group dicts made cbopt's (`names`: this class's own, as RMSprop's `alpha`),
+    and algorithm flags dropped where they repeat the constructor's (another value per group is refused)."""
+    if params is None or isinstance(params, (torch.Tensor, Mapping)): return params  # (the recipe names what is wrong)
+    params = list(params)
+    if not params or not all(isinstance(g, Mapping) and 'params' in g for g in params): return params
+    out = []
+    for i, g in enumerate(params):
+        g = dict(g)
+        for f in _FLAGS:
+            if f in g:
+                if f in flags and bool(g[f]) != bool(flags[f]):
+                    raise ValueError(f"param group {i} sets {f}={g[f]!r}, the optimizer {f}={flags[f]!r}: cbopt.optim runs "
+                                     f"one algorithm per optimizer (build one per setting, or a cbopt.Optimizer with "
+                                     f"per-group chains)")
+                if f in flags: del g[f]
+        out.append(from_torch_names(g, names, where=f' (group {i})') if names else g)
+    return out
+
+
+class TorchOptimizer(Optimizer):
+    """The base of `cbopt.optim`'s classes: a cbopt `Optimizer` built by a cbopt recipe from torch's arguments.
+    `_build` adopts the optimizer the recipe returns, so the class is a thin layer: no math of its own."""
+    torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
+
+    def _build(self, make: Callable[..., Optimizer], params: Params, flags: Mapping, **kw) -> None:
+        for k, v in from_torch_names(kw, {**TORCH_NAMES, **self.torch_group_names}).items():  # before the params, as torch
+            if k in HYPER_RULES: check_hyper(k, v)
+        betas = kw.get('betas')
+        if betas is not None and len({isinstance(b, torch.Tensor) for b in betas}) > 1:
+            raise ValueError("betas must be either both floats or both Tensors")  # torch's rule and wording
+        if isinstance(params, torch.Tensor):  # torch's rule and wording (cbopt.Optimizer takes a bare tensor)
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                            f"got {torch.typename(params)}")
+        built = make(_torch_groups(params, self.torch_group_names, flags), **kw)
+        self.__dict__.update(built.__dict__)
+
+    def __repr__(self) -> str:
+        "As torch's: the class and each group's hypers (cbopt's names; `momentum` is `mom`)."
+        lines = [f"{type(self).__name__} ("]
+        for i, h in enumerate(self.hypers):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {v}" for k, v in sorted(h.items())]
+        return '\n'.join(lines + [f"backend: {self.backend}", ")"])
+
+
+class SGD(TorchOptimizer):
+    "torch.optim.SGD: L2 `weight_decay` (as torch), momentum in state `grad_avg` (torch's `momentum_buffer`)."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
+                 weight_decay: float | torch.Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None) -> None:
+        self._build(_fastai.SGD, params, dict(nesterov=nesterov, maximize=maximize), lr=lr, mom=momentum,
+                    dampening=dampening, wd=weight_decay, decouple_wd=False, nesterov=nesterov, maximize=maximize,
+                    backend=_backend('SGD', foreach, fused, differentiable))
+
+
+class Adam(TorchOptimizer):
+    "torch.optim.Adam: L2 `weight_decay` unless `decoupled_weight_decay=True` (then AdamW)."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool = False) -> None:
+        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+                    lr=lr, betas=betas, eps=eps, wd=weight_decay, decouple_wd=decoupled_weight_decay, amsgrad=amsgrad,
+                    maximize=maximize, backend=_backend('Adam', foreach, fused, differentiable))
+
+
+class AdamW(TorchOptimizer):
+    "torch.optim.AdamW: decoupled `weight_decay` (default 1e-2); torch's fused kernel runs it when it can."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None) -> None:
+        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize), lr=lr, betas=betas, eps=eps,
+                    wd=weight_decay, decouple_wd=True, amsgrad=amsgrad, maximize=maximize,
+                    backend=_backend('AdamW', foreach, fused, differentiable))
+
+
+def _rmsprop(params: Params, lr, sqr_mom, eps, wd, mom, centered: bool, maximize: bool, backend: str) -> Optimizer:
+    "torch's RMSprop as a chain: L2, the squared-grad average, the centered mean, then the step (with momentum or not)."
+    cbs = _decay(False) + [average_sqr_grad] + ([centered_grad_avg] if centered else [])
+    cbs.append(torch_rmsprop_momentum_step if mom != 0 else torch_rmsprop_step)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, mom=mom, backend=backend)
+
+
+class RMSprop(TorchOptimizer):
+    """torch.optim.RMSprop, torch's formula: momentum on `grad / rms` (not fastai's `RMSProp`, which divides the
+    average grad), `centered`. State: `sqr_avg` (torch's `square_avg`), `grad_avg`, `mom_buf` (`momentum_buffer`)."""
+    torch_group_names = dict(alpha='sqr_mom')
+
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, alpha: float = 0.99, eps: float = 1e-8,
+                 weight_decay: float = 0, momentum: float = 0, centered: bool = False, capturable: bool = False,
+                 foreach: bool | None = None, maximize: bool = False, differentiable: bool = False) -> None:
+        if not 0.0 <= momentum: raise ValueError(f"Invalid momentum value: {momentum}")
+        if not 0.0 <= alpha: raise ValueError(f"Invalid alpha value: {alpha}")
+        self._build(_rmsprop, params, dict(centered=centered, maximize=maximize), lr=lr, sqr_mom=alpha, eps=eps,
+                    wd=weight_decay, mom=momentum, centered=centered, maximize=maximize,
+                    backend=_backend('RMSprop', foreach, None, differentiable))
+
+
+class RAdam(TorchOptimizer):
+    "torch.optim.RAdam: L2 `weight_decay` unless `decoupled_weight_decay=True`."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False) -> None:
+        self._build(_fastai.RAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+                    lr=lr, betas=betas, eps=eps, wd=weight_decay, decouple_wd=decoupled_weight_decay, maximize=maximize,
+                    backend=_backend('RAdam', foreach, None, differentiable))
+
+
+class NAdam(TorchOptimizer):
+    "torch.optim.NAdam (NAdamW with `decoupled_weight_decay=True`)."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, momentum_decay: float = 4e-3,
+                 decoupled_weight_decay: bool = False, *, foreach: bool | None = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False) -> None:
+        self._build(_torch.NAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+                    lr=lr, betas=betas, eps=eps, wd=weight_decay, momentum_decay=momentum_decay,
+                    decouple_wd=decoupled_weight_decay, maximize=maximize,
+                    backend=_backend('NAdam', foreach, None, differentiable))
+
+
+class Adagrad(TorchOptimizer):
+    "torch.optim.Adagrad."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
+                 initial_accumulator_value: float = 0, eps: float = 1e-10, foreach: bool | None = None, *,
+                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None) -> None:
+        self._build(_torch.Adagrad, params, dict(maximize=maximize), lr=lr, lr_decay=lr_decay, wd=weight_decay,
+                    initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
+                    backend=_backend('Adagrad', foreach, fused, differentiable))
+
+
+class Adadelta(TorchOptimizer):
+    "torch.optim.Adadelta (`rho` is `sqr_mom`)."
+    torch_group_names = dict(rho='sqr_mom')
+
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1.0, rho: float = 0.9, eps: float = 1e-6,
+                 weight_decay: float = 0, foreach: bool | None = None, *, capturable: bool = False,
+                 maximize: bool = False, differentiable: bool = False) -> None:
+        if not 0.0 <= rho <= 1.0: raise ValueError(f"Invalid rho value: {rho}")
+        self._build(_torch.Adadelta, params, dict(maximize=maximize), lr=lr, sqr_mom=rho, eps=eps, wd=weight_decay,
+                    maximize=maximize, backend=_backend('Adadelta', foreach, None, differentiable))
+
+
+class Adamax(TorchOptimizer):
+    "torch.optim.Adamax."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, foreach: bool | None = None, *, maximize: bool = False,
+                 differentiable: bool = False, capturable: bool = False) -> None:
+        self._build(_torch.Adamax, params, dict(maximize=maximize), lr=lr, betas=betas, eps=eps, wd=weight_decay,
+                    maximize=maximize, backend=_backend('Adamax', foreach, None, differentiable))
+
+
+class ASGD(TorchOptimizer):
+    "torch.optim.ASGD (averaged params in state `param_avg`, torch's `ax`)."
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, lambd: float = 1e-4, alpha: float = 0.75,
+                 t0: float = 1e6, weight_decay: float = 0, foreach: bool | None = None, maximize: bool = False,
+                 differentiable: bool = False, capturable: bool = False) -> None:
+        self._build(_torch.ASGD, params, dict(maximize=maximize), lr=lr, lambd=lambd, alpha=alpha, t0=t0,
+                    wd=weight_decay, maximize=maximize, backend=_backend('ASGD', foreach, None, differentiable))
+
+
+class Rprop(TorchOptimizer):
+    "torch.optim.Rprop (`etas`, `step_sizes` become the hypers `etaminus`/`etaplus`, `step_size_min`/`step_size_max`)."
+    torch_group_names = dict(etas=('etaminus', 'etaplus'), step_sizes=('step_size_min', 'step_size_max'))
+
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, etas: tuple[float, float] = (0.5, 1.2),
+                 step_sizes: tuple[float, float] = (1e-6, 50), *, capturable: bool = False,
+                 foreach: bool | None = None, maximize: bool = False, differentiable: bool = False) -> None:
+        self._build(_torch.Rprop, params, dict(maximize=maximize), lr=lr, etas=etas, step_sizes=step_sizes,
+                    maximize=maximize, backend=_backend('Rprop', foreach, None, differentiable))
+
+
+class Adafactor(TorchOptimizer):
+    "torch.optim.Adafactor (`eps` becomes the hypers `eps1`, `eps2`)."
+    torch_group_names = dict(eps=('eps1', 'eps2'))
+
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, beta2_decay: float = -0.8,
+                 eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0, *,
+                 foreach: bool | None = None, maximize: bool = False) -> None:
+        self._build(_torch.Adafactor, params, dict(maximize=maximize), lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+                    wd=weight_decay, maximize=maximize, backend=_backend('Adafactor', foreach, None, False))

@@ -1,0 +1,225 @@
+"""`cbopt.optim` against torch.optim, driven by the installed torch's own optimizer test data
+(`torch.testing._internal.common_optimizers.optim_db`): every config of every class cbopt has steps as torch's class
+does (loop, foreach, fused where torch has a CPU kernel), every construction error input raises torch's error type,
+torch's state_dicts load mid-run, and deepcopy, hooks, zero grads, no-grad params and tensor lrs behave as torch's.
+Where cbopt deliberately differs, `DIFFERENCES` says so, in this one place."""
+import copy
+
+import pytest
+import torch
+from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_db
+
+import cbopt
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+INFOS = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)}
+N_STEPS = 5
+
+# What cbopt.optim deliberately does otherwise than torch.optim, with the reason: (class or '*', what) -> why.
+DIFFERENCES = {
+    ('*', 'duplicate params'): "torch warns on a param listed twice in a group and drops the copy; cbopt refuses it "
+                               "(ValueError naming the param): a step is never silently different from what was listed",
+    ('*', 'state_dict to torch'): "cbopt's state_dict is keyed by param names with cbopt's state names; torch.optim "
+                                  "cannot read it (cbopt reads torch's: tested here)",
+    ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
+    ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
+    ('*', 'complex params'): "refused at construction (TypeError naming the param)",
+    ('Adam*', 'tensor lr or betas with foreach'): "torch refuses them unless capturable; cbopt runs them in every backend",
+    ('*', 'named and unnamed params mixed'): "torch refuses params with and without names in one optimizer; cbopt "
+                                             "names the unnamed ones by position",
+}
+# torch's error inputs that meet a difference above, by their message: what cbopt does instead
+ERROR_DIFFERENCES = {'a parameter group with duplicate param': (ValueError, 'only once|same tensor'),
+                     'all optimizer params should be with/without names': (None, ''),
+                     'all optimizer param groups should be with/without names': (None, ''),
+                     'does not support complex': (TypeError, 'is complex'),
+                     'as a Tensor is not supported for capturable=False and foreach=True': (None, '')}
+
+
+def configs():
+    for name, info in INFOS.items():
+        for i, inp in enumerate(info.optim_inputs_func(device='cpu')):
+            yield pytest.param(name, i, inp.kwargs, id=f'{name}-{i}-{inp.desc}')
+
+
+def impls(name: str, config: int) -> list:
+    """The implementation switches to run: loop and foreach, and fused where torch has a CPU kernel (for the first
+    config only, but for AdamW, which runs torch's kernel: cbopt's fused backend compiles other chains, seconds each)."""
+    out = [dict(foreach=False), dict(foreach=True)]
+    if 'fused' in INFOS[name].supported_impls and (config == 0 or name == 'AdamW'): out.append(dict(fused=True))
+    return out
+
+
+def _model(seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def _grads(model, step):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    for p in model.parameters(): p.grad = None
+    with torch.enable_grad(): torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _run(opt, model, steps, start=0):
+    for i in range(start, start + steps):
+        _grads(model, i)
+        opt.step()
+
+
+def assert_params_close(actual, expected, rtol=2e-5):
+    "Each param within `rtol` of the reference, relative to that tensor's own scale."
+    for (n, p), q in zip(actual.named_parameters(), expected.parameters()):
+        scale = q.detach().abs().max().clamp(min=1e-12)
+        err = (p.detach() - q.detach()).abs().max()
+        assert err <= rtol * scale, f"{n}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def _kw(kwargs):
+    "Copies of tensor hypers (a tensor lr), so the two optimizers never share one."
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize('name,config,kwargs', list(configs()))
+def test_steps_as_torch(name, config, kwargs):
+    for impl in impls(name, config):
+        if 'fused' in impl and isinstance(kwargs.get('lr'), torch.Tensor): continue
+        m, ref = _model(), _model()
+        opt = getattr(cbopt.optim, name)(m.parameters(), **_kw(kwargs), **impl)
+        assert opt.backend == ('fused' if 'fused' in impl else 'foreach' if impl['foreach'] else 'loop')
+        if 'fused' in impl: opt.backend = cbopt.Backend('fused', compiler='aot_eager')  # no inductor codegen: seconds
+        torch_opt = getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs), **impl)
+        _run(opt, m, N_STEPS)
+        _run(torch_opt, ref, N_STEPS)
+        assert_params_close(m, ref)
+
+
+@pytest.mark.parametrize('name,config,kwargs', list(configs()))
+def test_loads_torchs_state_dict(name, config, kwargs):
+    "A torch.optim checkpoint taken mid-run loads into cbopt.optim, which then steps on as torch does."
+    m, ref = _model(), _model()
+    torch_opt = getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs))
+    _run(torch_opt, ref, 3)
+    m.load_state_dict(ref.state_dict())
+    opt = getattr(cbopt.optim, name)(m.parameters(), **_kw(kwargs))
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    _run(opt, m, 3, start=3)
+    _run(torch_opt, ref, 3, start=3)
+    assert_params_close(m, ref)
+
+
+def error_inputs():
+    for name, info in INFOS.items():
+        for i, e in enumerate(info.optim_error_inputs_func(device='cpu', dtype=torch.float32)):
+            yield pytest.param(name, e, id=f'{name}-{i}-{e.error_type.__name__}')
+
+
+@pytest.mark.parametrize('name,err', list(error_inputs()))
+def test_error_inputs(name, err):
+    """Every error input torch lists raises torch's error type, at construction or at the step as torch does; those
+    that meet a documented difference (`ERROR_DIFFERENCES`) do what cbopt does instead."""
+    inp, cls = err.optimizer_error_input, getattr(cbopt.optim, name)
+    other = next((v for k, v in ERROR_DIFFERENCES.items() if k in str(err.error_regex)), None)
+    if other is not None:
+        error, match = other
+        if error is None:  # accepted, and it steps
+            m = _model()
+            opt = cls(m.parameters() if inp.params is None else inp.params, **inp.kwargs)
+            _run(opt, m, 2)
+        else:
+            with pytest.raises(error, match=match): cls(inp.params, **inp.kwargs)
+        return
+    if err.error_on == OptimizerErrorEnum.CONSTRUCTION_ERROR:
+        with pytest.raises(err.error_type): cls(inp.params, **inp.kwargs)
+    else:
+        opt = cls(inp.params, **inp.kwargs)
+        with pytest.raises(err.error_type): opt.step()
+
+
+@pytest.mark.parametrize('name', sorted(INFOS))
+def test_signature_is_torchs(name):
+    import inspect
+    ours, theirs = (inspect.signature(getattr(mod, name).__init__) for mod in (cbopt.optim, torch.optim))
+    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+           [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+
+
+@pytest.mark.parametrize('name', sorted(INFOS))
+def test_zero_grads_no_grad_params_deepcopy_hooks(name):
+    "Zero grads, a param without a grad, a deepcopy stepping on its own and step hooks, each as torch's class."
+    m, ref = _model(), _model()
+    frozen = [m[2].bias, ref[2].bias]
+    opt = getattr(cbopt.optim, name)(m.parameters())
+    torch_opt = getattr(torch.optim, name)(ref.parameters())
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append('pre'))
+    opt.register_step_post_hook(lambda o, a, k: calls.append('post'))
+    for o, mod in ((opt, m), (torch_opt, ref)):
+        for p in mod.parameters(): p.grad = torch.zeros_like(p)
+        o.step()
+        _run(o, mod, 2, start=0)
+        for p in mod.parameters(): p.grad = None if p is mod[2].bias else p.grad
+    assert calls == ['pre', 'post'] * 3
+    before = frozen[0].detach().clone()
+    m2, opt2 = copy.deepcopy((m, opt))
+    for o, mod in ((opt, m), (torch_opt, ref), (opt2, m2)):
+        _grads(mod, 7)
+        mod[2].bias.grad = None
+        o.step()
+    assert torch.equal(m[2].bias, before) and torch.equal(m2[2].bias, before)
+    assert_params_close(m, ref)
+    assert_params_close(m2, ref)
+
+
+@pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
+@pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):
+    "A tensor lr of any 1-element shape steps whole buckets, in torch's fused kernel under fused (one call per step)."
+    calls, kernel = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: (calls.append(1), kernel(*a, **k))[1])
+    m, ref = _model(), _model()
+    lr = torch.full(shape, 1e-2)
+    opt = cbopt.optim.AdamW(m.parameters(), lr=lr, **impl)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), foreach=False)
+    _run(opt, m, N_STEPS)
+    _run(torch_opt, ref, N_STEPS)
+    lr.fill_(3e-3)  # changed in place, as a scheduler of a tensor lr does
+    torch_opt.param_groups[0]['lr'].fill_(3e-3)
+    _run(opt, m, 2, start=N_STEPS)
+    _run(torch_opt, ref, 2, start=N_STEPS)
+    assert_params_close(m, ref)
+    assert len(calls) == (N_STEPS + 2 - 1 if 'fused' in impl else 0)  # (the first step, creating the state, is eager)
+
+
+def test_differentiable_and_both_switches_are_refused():
+    ps = _model().parameters()
+    with pytest.raises(ValueError, match=r"differentiable=True\) is not supported"): cbopt.optim.Adam(ps, differentiable=True)
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        cbopt.optim.SGD(_model().parameters(), foreach=True, fused=True)
+
+
+def test_group_flags_and_torch_names():
+    "A torch group dict with torch's names runs as torch's; a group flag another than the optimizer's is refused."
+    m, ref = _model(), _model()
+    groups = lambda mod: [{'params': [mod[0].weight], 'alpha': 0.9, 'weight_decay': 0.1, 'centered': True},
+                          {'params': [p for p in mod.parameters() if p is not mod[0].weight]}]
+    opt = cbopt.optim.RMSprop(groups(m), momentum=0.5, centered=True)
+    torch_opt = torch.optim.RMSprop(groups(ref), momentum=0.5, centered=True)
+    _run(opt, m, N_STEPS)
+    _run(torch_opt, ref, N_STEPS)
+    assert_params_close(m, ref)
+    with pytest.raises(ValueError, match=r"param group 0 sets amsgrad=True, the optimizer amsgrad=False"):
+        cbopt.optim.Adam([{'params': _model().parameters(), 'amsgrad': True}])
+
+
+def test_is_a_full_cbopt_optimizer():
+    m = _model()
+    opt = cbopt.optim.AdamW(m.named_parameters(), lr=1e-2, betas=(0.8, 0.9))
+    assert isinstance(opt, cbopt.Optimizer) and isinstance(opt, torch.optim.Optimizer)
+    _run(opt, m, 2)
+    assert sorted(opt.state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
+    assert opt.hypers[0]['mom'] == 0.8 and opt.param_groups[0]['betas'] == (0.8, 0.9) if 'betas' in opt.param_groups[0] else True
+    assert repr(opt).startswith('AdamW (\nParameter Group 0\n')
