@@ -17,6 +17,7 @@ from .modern_callbacks import *
 from .modern_callbacks import __all__ as _modern_callbacks_all
 from .modern_optimizers import *
 from .modern_optimizers import __all__ as _modern_optimizers_all
+from .kahan import kahan, kahan_chain
 from .tensorlist import BucketError, TensorList
 from .model_callbacks import *
 from .model_callbacks import __all__ as _model_callbacks_all
@@ -29,7 +30,7 @@ from . import optim
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
-           'TensorList', 'BucketError', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
+           'TensorList', 'BucketError', 'kahan', 'kahan_chain', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
            *_torch_callbacks_all, *_torch_optimizers_all, *_modern_callbacks_all, *_modern_optimizers_all,
            *_model_callbacks_all,
            'GradientClipping', 'WarmupPolicy', 'WarmupStage', 'GradientClippingOptimizer', 'WarmupOptimizer',

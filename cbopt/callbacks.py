@@ -89,18 +89,21 @@ def sgd_step(p, lr, **kwargs):
     "Plain SGD step: `p -= lr * grad`."
     p.data.add_(p.grad.data, alpha=-lr)
 sgd_step.state = {}
+sgd_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
 def momentum_step(p, lr, grad_avg, **kwargs):
     "SGD with momentum: `p -= lr * grad_avg`."
     p.data.add_(grad_avg, alpha=-lr)
 momentum_step.state = {}
+momentum_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
 def nesterov_step(p, lr, mom, grad_avg, **kwargs):
     "Nesterov momentum, as torch.optim.SGD: `p -= lr * (grad + mom*grad_avg)`."
     p.data.add_(p.grad.data.add(grad_avg, alpha=mom), alpha=-lr)
 nesterov_step.state = {}
+nesterov_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
 def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
@@ -130,6 +133,7 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, max_sqr_avg=Non
     p.data.addcdiv_(grad_avg, (v / debias2).sqrt_().add_(eps), value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
 adam_step.state = {}
+adam_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
 def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs):
@@ -147,6 +151,7 @@ def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs
     else: p.data.add_(grad_avg, alpha=-lr / debias1)
 radam_step.defaults = dict(eps=1e-5, beta=0.)
 radam_step.state = {}
+radam_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
 def qhadam_step(p, lr, mom, sqr_mom, sqr_avg, nu_1, nu_2, step, grad_avg, eps, **kwargs):

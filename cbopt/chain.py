@@ -12,6 +12,8 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
 - `cb.transient = ('local_lr',)`: state entries that live for one step: removed after the chain, never saved;
 - `cb.scope = 'tensor'`: it reduces over a whole param (a norm, an orthogonalisation), so it is not safe to run on a
   shard of one; the default for a declared callback is `'element'`;
+- `cb.additive = True`: its only effect on the param is `p.data += update`, computed without reading `p.data`, so
+  `cbopt.kahan` can compensate it (it runs it on a stand-in whose `data` is the compensation buffer);
 - `cb.on_train`, `cb.on_eval`: functions `(p, **{**state, **hypers})` that `opt.train()` / `opt.eval()` run on each
   param with state, for a chain that trains at one point and is evaluated at another (schedule-free's `y` and `x`;
   the group's mode is its `train_mode` hyper);

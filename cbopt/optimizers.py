@@ -12,6 +12,7 @@ from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, 
 from .engine import register_kernel
 from .engine.kernels import fused_adamw
 from .hypers import torch_keywords
+from .kahan import kahan_chain
 from .optimizer import Optimizer, rechain
 
 __all__ = ['adam_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
@@ -42,14 +43,17 @@ register_kernel(maximizing(adam_chain()), partial(fused_adamw, maximize=True))
 
 @torch_keywords()
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
-        nesterov: bool = False, dampening: float = 0., maximize: bool = False, backend: str = "auto") -> Optimizer:
-    "SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay."
+        nesterov: bool = False, dampening: float = 0., maximize: bool = False, kahan_sum: bool = False,
+        backend: str = "auto") -> Optimizer:
+    """SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay; `kahan_sum`:
+    Kahan-compensated updates for bf16/fp16 params (torch-optimi's; see `cbopt.kahan`)."""
     if nesterov and (mom == 0 or dampening != 0): raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     cbs = _decay(decouple_wd)
     if mom != 0: cbs.append(average_grad if dampening == 0 else dampened_grad_avg)
     cbs.append(sgd_step if mom == 0 else nesterov_step if nesterov else momentum_step)
     extra = dict(dampening=dampening) if dampening != 0 else {}
-    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, wd=wd, **extra, backend=backend)
+    return Optimizer(params, maximizing(kahan_chain(cbs, kahan_sum), maximize), lr=lr, mom=mom, wd=wd, **extra,
+                     backend=backend)
 
 
 @torch_keywords(alpha='sqr_mom')
@@ -63,19 +67,22 @@ def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: flo
 @torch_keywords()
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, maximize: bool = False,
-         backend: str = "auto") -> Optimizer:
+         kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
     """Adam; with `decouple_wd=True` (the default) this is AdamW. `amsgrad=True` steps with the running maximum of the
-    second moment (torch's `amsgrad`; state `max_sqr_avg`, torch's `max_exp_avg_sq`)."""
-    return Optimizer(params, maximizing(adam_chain(adam_step, decouple_wd, amsgrad), maximize), lr=lr, mom=mom,
+    second moment (torch's `amsgrad`; state `max_sqr_avg`, torch's `max_exp_avg_sq`). `kahan_sum`: Kahan-compensated
+    updates for bf16/fp16 params (torch-optimi's; see `cbopt.kahan`)."""
+    cbs = kahan_chain(adam_chain(adam_step, decouple_wd, amsgrad), kahan_sum)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom,
                      sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
 @torch_keywords()
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
           wd: float = 0., beta: float = 0., decouple_wd: bool = True, maximize: bool = False,
-          backend: str = "auto") -> Optimizer:
-    "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator)."
-    return Optimizer(params, maximizing(adam_chain(radam_step, decouple_wd), maximize), lr=lr, mom=mom, sqr_mom=sqr_mom,
+          kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
+    "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator); `kahan_sum` as in `Adam`."
+    cbs = kahan_chain(adam_chain(radam_step, decouple_wd), kahan_sum)
+    return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom,
                      eps=eps, wd=wd, beta=beta, backend=backend)
 
 

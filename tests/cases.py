@@ -222,6 +222,12 @@ CASES: list[Case] = [
                                                                               backend=backend).train()),
     Case('sf-adamw', build=lambda ps, lr, backend='auto': cbopt.ScheduleFreeAdamW(ps, lr, mom=0.8, sqr_mom=0.95, wd=0.1,
                                                                                   warmup_steps=5, backend=backend).train()),
+    # kahan_sum (for bf16 params; here fp32, where it must still be the same algorithm): every backend runs the wrapper
+    Case('adam-kahan', build=lambda ps, lr, backend='auto': cbopt.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1,
+                                                                       kahan_sum=True, backend=backend),
+         compiles=('aot_eager',)),
+    Case('lion-kahan', build=lambda ps, lr, backend='auto': cbopt.Lion(ps, tenth(lr), wd=0.1, kahan_sum=True,
+                                                                       backend=backend)),
 ]
 
 BY_ID: dict[str, Case] = {c.id: c for c in CASES}
