@@ -76,7 +76,7 @@ class CombinedOptimizer(Optimizer):
         for i, (prefix, opt) in enumerate(pairs):
             child = f"optimizer {i}" + (f" ({prefix!r})" if prefix else ' (no prefix)')
             for g in opt.param_groups:
-                named = []
+                keys_, params_ = [], []
                 for name, p in zip(g['param_names'], g['params']):
                     if id(p) in owner:
                         other, oname = owner[id(p)]
@@ -87,9 +87,9 @@ class CombinedOptimizer(Optimizer):
                         raise ValueError(f"Duplicate param key {key!r}: {keys[key]} and {child} both name a param so; "
                                          "give them distinct prefixes")
                     owner[id(p)], keys[key] = (prefix, name), child
-                    named.append((key, p))
+                    keys_.append(key), params_.append(p)
                 hypers = Hypers(g).snapshot()  # (no torch aliases: `momentum` is `mom`)
-                groups.append({'params': named, **hypers, 'cbs': list(g['cbs'])})
+                groups.append({'params': params_, 'param_names': keys_, **hypers, 'cbs': list(g['cbs'])})
                 self.group_prefixes.append(prefix)
         first = pairs[0][1]
         super().__init__(groups, [], backend=first.backend_options if backend is None else backend)

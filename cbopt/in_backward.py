@@ -63,7 +63,7 @@ class InBackward(Optimizer):
             raise TypeError(f"InBackward wraps a cbopt optimizer, got a {type(opt).__module__}.{type(opt).__qualname__}")
         if getattr(opt, 'in_backward', False): raise TypeError("this optimizer already steps in backward")
         _refuse_model_scope(opt)
-        groups = [{'params': list(zip(g['param_names'], g['params'])),
+        groups = [{'params': list(g['params']), 'param_names': list(g['param_names']),
                    **Hypers(g).snapshot(),  # (no torch aliases: `momentum` is `mom`)
                    'cbs': None if g['cbs'] is opt.cbs else list(g['cbs'])} for g in opt.param_groups]
         self._handles, self._hooked, self._index, self._stopped = [], set(), {}, False

@@ -16,7 +16,7 @@ from .engine import Backend, as_backend
 from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
 from .params import check_params, named_groups
-from .state import FLAGS, initial_state, named_state_dict, prepare_load, split_flags
+from .state import FLAGS, canonical_names, initial_state, named_state_dict, prepare_load, split_flags, torch_state_dict
 
 __all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
 
@@ -144,7 +144,8 @@ class Optimizer(torch.optim.Optimizer):
         "Rename positionally named params by their FQNs in `model`, so state_dicts are keyed like `model.state_dict()`."
         fqn = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         if not all(id(p) in fqn for p in self.params): return
-        for g in self.param_groups: g['param_names'] = [fqn[id(p)] for p in g['params']]
+        names = canonical_names([fqn[id(p)] for p in self.params])
+        for g in self.param_groups: g['param_names'], names = names[:len(g['params'])], names[len(g['params']):]
 
     def all_params(self, n: slice | int = slice(None), with_grad: bool = False) -> L:
         "(param, group, state, hypers) tuples for the groups `n`, optionally only those with a grad (as fastai's)."
@@ -242,15 +243,23 @@ class Optimizer(torch.optim.Optimizer):
         "The total grad norm before clipping at the last step (torchrec's name), if a `clip_grad_norm` ran."
         return self.step_stats.get('grad_norm')
 
-    # -- named state_dict ----------------------------------------------------------------------------------------
+    # -- state_dicts -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        "`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'chain': ..., 'params': [fqn, ...]}]}`: loadable with weights_only."
+        """torch's layout, so torch's tools (DCP, ZeroRedundancyOptimizer, ...) read it: `{'state': {id: {...}},
+        'param_groups': [{hypers, 'chain': ..., 'param_names': [fqn, ...], 'params': [id, ...]}]}`, ids counting params
+        in `param_groups` order; loadable with weights_only. `named_state_dict()` is the same keyed by names."""
         _run_hooks(self._optimizer_state_dict_pre_hooks, self)
-        return _run_hooks(self._optimizer_state_dict_post_hooks, self, named_state_dict(self))
+        return _run_hooks(self._optimizer_state_dict_post_hooks, self, torch_state_dict(self))
+
+    def named_state_dict(self) -> dict:
+        """`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'chain': ..., 'params': [fqn, ...]}]}` (torchrec's
+        KeyedOptimizer layout): for people, diffs and saving with `dcp.save` directly. `load_state_dict` reads it."""
+        return named_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a cbopt, torch.optim or fastai state_dict. Strict and atomic: any mismatch raises an error naming
-        the param, and leaves this optimizer exactly as it was. (An integration may let a checkpoint with no state at
+        """Load a cbopt (either layout), torch.optim or fastai state_dict, matching params by name where both sides
+        name them (another grouping or order loads), by position otherwise. Strict and atomic: any mismatch raises an
+        error naming the param, and leaves this optimizer exactly as it was. (An integration may let a checkpoint with no state at
         all restart the optimizer: fastai's lr_find, see `cbopt.integrations.fastai`.)"""
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         fresh_ok = any(policy(self) for policy in load_policies)
@@ -278,7 +287,7 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     stay at the ends of the chain, so wrappers compose in any order (`cbopt.chain.around_params`). `opt`'s per-param
     state dicts are shared, not copied."""
     def new_chain(cbs) -> list: return around_params(cbs, transform)
-    groups = [{'params': list(zip(g['param_names'], g['params'])), **opt.hypers[i], **hypers,  # (name, param): names kept
+    groups = [{'params': list(g['params']), 'param_names': list(g['param_names']), **opt.hypers[i], **hypers,  # names kept
                'cbs': None if g['cbs'] is opt.cbs else new_chain(g['cbs'])} for i, g in enumerate(opt.param_groups)]
     res = Optimizer(groups, new_chain(opt.cbs), backend=opt.backend_options, **{**opt.defaults, **hypers})
     for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, TORCH_NAMES, check_hyper, from_torch_names
+from .state.names import canonical_names
 
 __all__ = ['named_groups', 'check_params', 'is_group_dict']
 
@@ -126,21 +127,24 @@ def _split_groups(params: Any) -> list[dict]:
 
 def named_groups(params: Any, start: int = 0) -> list[dict]:
     """Group dicts with `params` (tensors) and `param_names` (FQNs) from any accepted form of `params`.
-    Unnamed params get their position among all params (counting from `start`) as a stable name; a group dict's own
-    `param_names` (as torch's `param_groups` hold them) name its params. torch's hyper names in a group dict
-    (`weight_decay`, `betas`) become cbopt's (`cbopt.hypers.from_torch_names`)."""
+    Unnamed params get their position among all params (counting from `start`) as a stable name; names lose the
+    prefixes wrappers add (`_orig_mod.`, DDP's `module.`, ...: `cbopt.state.names`), as torch's DCP helpers do; a
+    group dict's own `param_names` (as torch's `param_groups` hold them) name its params as they are. torch's hyper
+    names in a group dict (`weight_decay`, `betas`) become cbopt's (`cbopt.hypers.from_torch_names`)."""
+    split = _split_groups(params)
+    for i, g in enumerate(split): _check_aliases(g, i)  # here, before a group becomes a ParamGroup (which keeps the two equal)
+    split = [from_torch_names(g, where=f' (group {i})') for i, g in enumerate(split)]
+    flat = [_flatten(g['params'], '') for g in split]
+    canon = iter(canonical_names([n for pairs in flat for n, _ in pairs if n is not None]))  # no wrapper prefixes
     groups, pos = [], start
-    for i, g in enumerate(_split_groups(params)):
-        _check_aliases(g, i)  # here, before the group becomes a ParamGroup (which keeps the two equal)
-        g = from_torch_names(g, where=f' (group {i})')
-        pairs = _flatten(g['params'], '')
-        names = [str(pos + j) if name is None else name for j, (name, _) in enumerate(pairs)]
+    for i, (g, pairs) in enumerate(zip(split, flat)):
+        names = [str(pos + j) if name is None else next(canon) for j, (name, _) in enumerate(pairs)]
         if g.get('param_names') is not None:
             given = list(g['param_names'])
             if len(given) != len(pairs):
                 raise ValueError(f"param group {i} has {len(pairs)} params but {len(given)} param_names")
             for n, (name, _) in zip(given, pairs):
-                if name is not None and name != n:
+                if name is not None and name != n and canonical_names([name]) != [n]:
                     raise ValueError(f"param group {i} names a param both {name!r} and {n!r} (in its param_names)")
             names = given
         pos += len(pairs)

@@ -81,7 +81,7 @@ def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: floa
 def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
          wd: float = 0., decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
     """torch.optim.ASGD (`wd` is its `weight_decay`). The averaged params, torch's `state[p]['ax']`, are
-    `opt.state[p]['param_avg']` (by name: `opt.state_dict()['state'][fqn]['param_avg']`); before step `t0` they are
+    `opt.state[p]['param_avg']` (by name: `opt.named_state_dict()['state'][fqn]['param_avg']`); before step `t0` they are
     the params themselves. torch also keeps `eta` and `mu` in state: cbopt computes them from `step`, `lr` and the
     hypers (so after a change of lr, the next step uses the new lr at once, where torch's `eta` lags one step)."""
     cbs = _decay(decouple_wd) + [step_stat, asgd_step]

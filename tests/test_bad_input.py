@@ -74,8 +74,21 @@ def _sgd_checkpoint(e: Env) -> dict:
 
 
 def _ckpt(e: Env, edit: Callable[[dict], object]) -> dict:
-    "This optimizer's own checkpoint with one thing broken by `edit`."
+    "This optimizer's own checkpoint (keyed by name) with one thing broken by `edit`."
+    sd = copy.deepcopy(e.opt.named_state_dict())
+    edit(sd)
+    return sd
+
+
+def _drop_last_group(sd: dict) -> None:
+    "`sd` without its last group and that group's state."
+    for k in sd['param_groups'].pop()['params']: sd['state'].pop(k, None)
+
+
+def _positional_ckpt(e: Env, edit: Callable[[dict], object]) -> dict:
+    "This optimizer's checkpoint in torch's layout without param names (matched by position), broken by `edit`."
     sd = copy.deepcopy(e.opt.state_dict())
+    for g in sd['param_groups']: del g['param_names']
     edit(sd)
     return sd
 
@@ -269,8 +282,10 @@ CASES = [
     Case('load-model-state-dict', lambda e: e.opt.load_state_dict(e.model.state_dict()), TypeError,
          r"expected a state_dict with a 'state' entry, got OrderedDict"),
     Case('load-no-groups', lambda e: e.opt.load_state_dict({'state': {}}), ValueError, r"no 'param_groups'"),
-    Case('load-one-group', lambda e: e.opt.load_state_dict(_ckpt(e, lambda sd: sd['param_groups'].pop())), ValueError,
-         r"1 param groups, this optimizer 2"),
+    Case('load-one-group', lambda e: e.opt.load_state_dict(_positional_ckpt(e, _drop_last_group)),
+         ValueError, r"1 param groups, this optimizer 2"),
+    Case('load-group-missing', lambda e: e.opt.load_state_dict(_ckpt(e, _drop_last_group)), KeyError,
+         r"param '2\.weight' \(group 1\) is missing from the state_dict"),
     Case('load-unknown-param', lambda e: e.opt.load_state_dict(_ckpt(e, lambda sd: sd['param_groups'][1]['params'].append('ghost'))),
          KeyError, r"unknown param 'ghost'"),
     Case('load-missing-param', lambda e: e.opt.load_state_dict(_ckpt(e, lambda sd: sd['param_groups'][1]['params'].remove('2.bias'))),

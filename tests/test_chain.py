@@ -67,7 +67,8 @@ def test_per_group_chains_one_checkpoint_and_schedulers():
     assert [g['lr'] for g in opt.param_groups] == [0.05 / 4, 3e-3 / 4]
     sd = opt.state_dict()
     assert [g['chain'] for g in sd['param_groups']] == [chain.chain_name(SGD_MOM), chain.chain_name(adamw_chain())]
-    assert set(sd['state']['0.weight']) == {'grad_avg'} and set(sd['state']['0.bias']) == {'grad_avg', 'sqr_avg', 'step'}
+    named = opt.named_state_dict()
+    assert set(named['state']['0.weight']) == {'grad_avg'} and set(named['state']['0.bias']) == {'grad_avg', 'sqr_avg', 'step'}
     with torch.no_grad():
         for p, q in zip(b.parameters(), a.parameters()): p.copy_(q)
     resumed = per_group(b)

@@ -41,10 +41,11 @@ def test_keys_are_prefixed_as_torchrec_does():
     model = make_model()
     comb = cbopt.CombinedOptimizer(children(model))
     train(comb, model, 1)
-    sd = comb.state_dict()
+    sd = comb.named_state_dict()
     expected = [f'enc.{n}' for n, _ in model[0].named_parameters()] + [f'head.{n}' for n, _ in model[2].named_parameters()]
     assert list(sd['state']) == expected == comb.param_names
     assert [g['params'] for g in sd['param_groups']] == [expected[:2], expected[2:]]
+    assert [g['param_names'] for g in comb.state_dict()['param_groups']] == [expected[:2], expected[2:]]  # torch's layout
     bare = cbopt.CombinedOptimizer([cbopt.Adam(list(model.named_parameters())[:2]),
                                     cbopt.SGD(list(model.named_parameters())[2:])])
     assert bare.param_names == [n for n, _ in model.named_parameters()]
@@ -65,8 +66,8 @@ def test_each_child_steps_as_alone(backend):
     train(comb, ours, 6)
     assert_same_params(ours, ref, str(backend))
     assert_moved(ours, start)
-    ref_state = {f'{pre}.{n}': s for pre, opt in kids for n, s in opt.state_dict()['state'].items()}
-    ours_state = comb.state_dict()['state']
+    ref_state = {f'{pre}.{n}': s for pre, opt in kids for n, s in opt.named_state_dict()['state'].items()}
+    ours_state = comb.named_state_dict()['state']
     assert ours_state.keys() == ref_state.keys()
     for n in ours_state:
         for k, v in ref_state[n].items():

@@ -341,7 +341,7 @@ def test_partial_checkpoint_stays_strict_inside_fastai(tmp_path, recwarn):
     learn = make_learner(cbopt.Adam, tmp_path)
     learn.fit(1, 1e-2)
     state0 = opt_states(learn)
-    sd = learn.opt.state_dict()
+    sd = learn.opt.named_state_dict()
     del sd['state']['3.weight']
     (tmp_path / 'models').mkdir()
     torch.save({'model': learn.model.state_dict(), 'opt': sd}, tmp_path / 'models' / 'partial.pth')
@@ -401,9 +401,15 @@ def plain_opt(model: nn.Module, opt_func=cbopt.Adam):
 
 def copy_flags(sd: dict, opt) -> None:
     "Set the per-param flags (`do_wd`, `force_train`) a checkpoint records on `opt`, as the Learner set them."
+    state = by_name(sd)
     for n, p in opt.named_params().items():
         for k in FLAGS:
-            if k in sd['state'][n]: opt.state[p][k] = sd['state'][n][k]
+            if k in state[n]: opt.state[p][k] = state[n][k]
+
+
+def by_name(sd: dict) -> dict:
+    "The per-param states of a state_dict in torch's layout, by the names its groups list."
+    return {n: sd['state'].get(i, {}) for g in sd['param_groups'] for i, n in zip(g['params'], g['param_names'])}
 
 
 def step_alike(pairs: list, steps: int = 5) -> None:
@@ -424,9 +430,9 @@ def test_learner_checkpoint_is_keyed_by_fqn_and_loads_into_plain_opt(name, tmp_p
     file = learn.save('named', with_opt=True)
     sd = torch.load(file, weights_only=True)['opt']
     fqns = [n for n, _ in learn.model.named_parameters()]
-    assert sorted(sd['state']) == sorted(fqns)
-    assert [g['params'] for g in sd['param_groups']] == group_names(learn.model)
-    assert sd['state']['1.bias']['do_wd'] is False and sd['state']['1.bias']['force_train'] is True
+    assert sorted(by_name(sd)) == sorted(fqns)
+    assert [g['param_names'] for g in sd['param_groups']] == group_names(learn.model)
+    assert by_name(sd)['1.bias']['do_wd'] is False and by_name(sd)['1.bias']['force_train'] is True
     # Learner -> plain PyTorch: the flags are part of the Learner's setup, so the plain user sets them too (by FQN)
     model = copy.deepcopy(learn.model)
     opt = plain_opt(model, getattr(cbopt, name))
@@ -444,15 +450,10 @@ def test_learner_checkpoint_is_keyed_by_fqn_and_loads_into_plain_opt(name, tmp_p
     assert_same_params(learn.model, model)
 
 
-README_PLAIN_SPLITTER = ("the README says a Learner checkpoint loads into a plain `cbopt.Adam(model.named_parameters())`; "
-                         "with a splitter the checkpoint has one group per split and the load refuses it (cbopt/state/"
-                         "named.py: 'the state_dict has 3 param groups, this optimizer 1')")
-
-
-@pytest.mark.parametrize('split', [trainable_params, pytest.param(splitter, marks=pytest.mark.xfail(
-    strict=True, raises=ValueError, reason=README_PLAIN_SPLITTER))], ids=['default-splitter', 'three-groups'])
+@pytest.mark.parametrize('split', [trainable_params, splitter], ids=['default-splitter', 'three-groups'])
 def test_learner_checkpoint_loads_into_the_readmes_plain_opt(split, tmp_path):
-    "The README's words: a Learner checkpoint loads into a plain `cbopt.Adam(model.named_parameters())` and back."
+    """The README's words: a Learner checkpoint loads into a plain `cbopt.Adam(model.named_parameters())` and back,
+    matched by name, whatever the Learner's splitter grouped (three groups into one, and one into three)."""
     learn = make_learner(cbopt.Adam, tmp_path, split=split, wd=0.1)
     learn.fit_one_cycle(1, 1e-2)
     sd = torch.load(learn.save('plain', with_opt=True), weights_only=True)['opt']
@@ -460,7 +461,8 @@ def test_learner_checkpoint_loads_into_the_readmes_plain_opt(split, tmp_path):
     opt = cbopt.Adam(model.named_parameters())
     copy_flags(sd, opt)
     opt.load_state_dict(sd)
-    assert opt.hypers == learn.opt.hypers  # the Learner's last lr, mom and wd
+    assert len(learn.opt.hypers) == (3 if split is splitter else 1)
+    assert all(h == opt.hypers[0] for h in learn.opt.hypers)  # the Learner's last lr, mom and wd
     assert_states_equal({n: opt.state[p] for n, p in opt.named_params().items()}, opt_states(learn))
     step_alike([(learn.model, learn.opt), (model, opt)])
     assert_same_params(learn.model, model)

@@ -48,7 +48,7 @@ def same_step(p, q, backend):
 def snapshot(opt, m):
     "Every param, every per-param state tensor and every group entry (hypers and whole-model state)."
     return ([p.detach().clone() for p in m.parameters()],
-            {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for n, s in opt.state_dict()['state'].items()},
+            {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for n, s in opt.named_state_dict()['state'].items()},
             [dict(g) for g in opt.state_dict()['param_groups']])
 
 
@@ -269,7 +269,7 @@ def test_accumulation_equals_the_big_batch(backend):
         big_batch_grads(ref, step, k)
         ref_opt.step()
         for p, q in zip(m.parameters(), ref.parameters()): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        for n, st in opt.state_dict()['state'].items():  # the sum restarts from zero after each step
+        for n, st in opt.named_state_dict()['state'].items():  # the sum restarts from zero after each step
             assert not st['accumulate_grads.grad_sum'].any()
 
 

@@ -20,8 +20,8 @@ def test_readme_python_blocks_run():
     ns = {}
     for code in blocks: exec(compile(code, str(README), 'exec'), ns)
     opt = ns['opt']
-    assert sorted(opt.state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
-    assert all(set(s) == {'grad_avg'} for s in opt.state_dict()['state'].values())
+    assert sorted(opt.named_state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
+    assert all(set(s) == {'grad_avg'} for s in opt.named_state_dict()['state'].values())
     assert isinstance(opt, torch.optim.Optimizer)
 
 

@@ -57,9 +57,19 @@ def test_format_and_weights_only(tmp_path):
     opt = cbopt.Adam({'enc': enc.named_parameters(), 'head': dict(head.named_parameters())}, lr=0.01)
     opt.add_param_group({'params': {'extra': torch.zeros(2, requires_grad=True)}, 'lr': 0.5})
     step_random(opt, 2)
-    sd = opt.state_dict()
+    sd, tsd = opt.named_state_dict(), opt.state_dict()
     fqns = [f'enc.{n}' for n in NAMES] + ['head.weight', 'head.bias']
-    assert set(sd) == {'state', 'param_groups'}
+    assert set(sd) == set(tsd) == {'state', 'param_groups'}
+    # torch's layout: ids in param_groups order, each group naming its params, cbopt's state names and hypers
+    assert list(tsd['state']) == list(range(7))
+    assert [g['params'] for g in tsd['param_groups']] == [list(range(6)), [6]]
+    assert [g['param_names'] for g in tsd['param_groups']] == [fqns, ['extra']]
+    assert [{k: v for k, v in g.items() if k not in ('params', 'param_names')} for g in tsd['param_groups']] == \
+        [{k: v for k, v in g.items() if k != 'params'} for g in sd['param_groups']]
+    for i, n in enumerate(fqns + ['extra']):
+        assert tsd['state'][i].keys() == sd['state'][n].keys()
+        torch.testing.assert_close(tsd['state'][i]['grad_avg'], opt.state[opt.named_params()[n]]['grad_avg'], rtol=0, atol=0)
+    # the named layout: the same, keyed by FQN
     assert list(sd['state']) == fqns + ['extra']
     assert all(set(s) == ADAM_KEYS for s in sd['state'].values())
     assert all(s['step'] == 2 and type(s['step']) is int for s in sd['state'].values())
@@ -75,9 +85,10 @@ def test_format_and_weights_only(tmp_path):
             if torch.is_tensor(v): torch.testing.assert_close(loaded['state'][n][k], v, rtol=0, atol=0)
 
 
-def test_state_dict_does_not_alias_the_optimizer():
+@pytest.mark.parametrize('layout', ['state_dict', 'named_state_dict'])
+def test_state_dict_does_not_alias_the_optimizer(layout):
     opt = adam()
-    sd = opt.state_dict()
+    sd = getattr(opt, layout)()
     sd['param_groups'][0]['lr'] = 123.
     sd['param_groups'][0]['params'].append('x')
     assert opt.hypers[0]['lr'] == 0.01 and opt.param_names == NAMES
@@ -120,7 +131,7 @@ def test_load_copies_tensors():
 
 # -- strict and atomic -------------------------------------------------------------------------------------------
 def _sgd_state_dict():
-    return step_random(cbopt.SGD(make_model(3).named_parameters(), lr=0.01, mom=0.9, wd=0.1), 2).state_dict()
+    return step_random(cbopt.SGD(make_model(3).named_parameters(), lr=0.01, mom=0.9, wd=0.1), 2).named_state_dict()
 
 
 def _corrupt(kind, sd):
@@ -153,7 +164,7 @@ def test_bad_load_names_culprit_and_changes_nothing(kind, fresh):
     src = adam(0, lr=0.02)
     src.set_hyper('eps', 1e-3)  # hypers differ too: a partial load would show in them
     dst = adam(1, lr=0.01, steps=0 if fresh else 3)
-    sd, culprit = _corrupt(kind, src.state_dict())
+    sd, culprit = _corrupt(kind, src.named_state_dict())
     before = snapshot(dst)
     with pytest.raises((KeyError, ValueError, TypeError)) as e: dst.load_state_dict(sd)
     assert culprit in str(e.value)
@@ -165,7 +176,7 @@ def test_bad_load_names_culprit_and_changes_nothing(kind, fresh):
 def test_empty_state_loads_after_clear_state():
     "The documented way to restart on purpose: clear_state() first, then a state-less checkpoint is fine."
     dst = adam(1)
-    sd = {'state': {}, 'param_groups': adam(0, lr=0.02).state_dict()['param_groups']}
+    sd = {'state': {}, 'param_groups': adam(0, lr=0.02).state_dict()['param_groups']}  # (torch's layout)
     dst.clear_state()
     dst.load_state_dict(sd)
     assert dst.hypers[0]['lr'] == 0.02 and all(not dst.state[p] for p in dst.params)
@@ -272,7 +283,7 @@ def test_load_torch_adamw(named):
         torch.testing.assert_close(opt.state[p]['sqr_avg'], topt.state[tp]['exp_avg_sq'], rtol=0, atol=0)
     h = opt.hypers[0]
     assert (h['lr'], h['mom'], h['sqr_mom'], h['wd'], h['eps']) == (0.02, 0.8, 0.95, 0.1, 1e-6)
-    assert opt.state_dict()['param_groups'][0]['params'] == NAMES
+    assert opt.named_state_dict()['param_groups'][0]['params'] == NAMES
 
 
 def test_torch_param_names_must_match():
@@ -282,7 +293,7 @@ def test_torch_param_names_must_match():
     topt.step()
     opt = cbopt.Adam(make_model(1).named_parameters())
     before = snapshot(opt)
-    with pytest.raises(ValueError, match="'0.0.weight'.*'0.weight'"): opt.load_state_dict(topt.state_dict())
+    with pytest.raises(KeyError, match="unknown param '0.0.weight'.*'0.weight'"): opt.load_state_dict(topt.state_dict())
     assert_same(snapshot(opt), before)
 
 
@@ -298,4 +309,94 @@ def test_load_fastai_optimizer():
         assert set(opt.state[p]) == ADAM_KEYS and opt.state[p]['step'] == 3
         torch.testing.assert_close(opt.state[p]['grad_avg'], fopt.state[fp]['grad_avg'], rtol=0, atol=0)
     assert opt.hypers[0]['lr'] == 0.02 and opt.hypers[0]['wd'] == 0.1
-    assert list(opt.state_dict()['state']) == NAMES
+    assert list(opt.named_state_dict()['state']) == NAMES
+
+
+# -- matching by name, by position, and names without wrapper prefixes -------------------------------------------
+def _groups_by(model, keys):
+    "`model`'s named params in one group per key (a name ending), in that order: another grouping and order."
+    return [{'params': [(n, p) for n, p in model.named_parameters() if n.endswith(k)]} for k in keys]
+
+
+@pytest.mark.parametrize('layout', ['state_dict', 'named_state_dict'])
+def test_loads_across_groupings_by_name(layout):
+    "Two groups into one with the params in another order, and back: each param gets its own state, runs go on alike."
+    src = step_random(cbopt.Adam(_groups_by(make_model(0), ['bias', 'weight']), lr=0.02, wd=0.1), 3)
+    one = cbopt.Adam(make_model(0).named_parameters(), lr=0.5)
+    back = cbopt.Adam(_groups_by(make_model(0), ['weight', 'bias']), lr=0.5)
+    with torch.no_grad():  # the models' weights as src's
+        for o in (one, back):
+            for n, p in o.named_params().items(): p.copy_(src.named_params()[n])
+    one.load_state_dict(getattr(src, layout)())
+    assert one.hypers[0]['lr'] == 0.02 and one.hypers[0]['wd'] == 0.1
+    by_name = lambda o: {n: o.state[p] for n, p in o.named_params().items()}
+    for n, s in by_name(src).items():
+        for k, v in s.items(): assert torch.equal(v, by_name(one)[n][k]) if torch.is_tensor(v) else v == by_name(one)[n][k]
+    back.load_state_dict(getattr(one, layout)())
+    assert [h['lr'] for h in back.hypers] == [0.02, 0.02]
+    for i in range(10, 14):  # the three go on alike, each param with its own state (grads by name)
+        for o in (src, one, back):
+            for n, p in sorted(o.named_params().items()): random_grads([p], hash((i, n)) % 1000)
+            o.step()
+    for n, p in src.named_params().items():
+        torch.testing.assert_close(one.named_params()[n], p, rtol=0, atol=0)
+        torch.testing.assert_close(back.named_params()[n], p, rtol=0, atol=0)
+
+
+def test_regrouped_hypers_that_disagree_keep_ours_with_a_warning():
+    src = step_random(cbopt.Adam([{**g, 'lr': lr} for g, lr in zip(_groups_by(make_model(0), ['bias', 'weight']), [0.1, 0.2])],
+                                 wd=0.1), 1)
+    one = cbopt.Adam(make_model(0).named_parameters(), lr=0.5, wd=0.3)
+    with pytest.warns(UserWarning, match=r"'lr' the values \[0.1, 0.2\]: group 0 keeps its own lr=0.5"):
+        one.load_state_dict(src.state_dict())
+    assert one.hypers[0]['lr'] == 0.5 and one.hypers[0]['wd'] == 0.1
+
+
+@pytest.mark.parametrize('src_named,dst_named', [(False, True), (True, False), (False, False)],
+                         ids=['positions-into-names', 'names-into-positions', 'positions'])
+@pytest.mark.parametrize('layout', ['state_dict', 'named_state_dict'])
+def test_positional_and_named_load_by_position(src_named, dst_named, layout):
+    "As torch does: where either side has no names, params are matched by position."
+    params = lambda m, named: m.named_parameters() if named else m.parameters()
+    src = step_random(cbopt.Adam(params(make_model(0), src_named), lr=0.01, wd=0.1), 3)
+    dst = cbopt.Adam(params(make_model(1), dst_named))
+    dst.load_state_dict(getattr(src, layout)())
+    assert dst.param_names == (NAMES if dst_named else ['0', '1', '2', '3'])
+    for p, q in zip(src.params, dst.params):
+        torch.testing.assert_close(dst.state[q]['grad_avg'], src.state[p]['grad_avg'], rtol=0, atol=0)
+    assert dst.hypers == src.hypers
+
+
+def test_wrapper_prefixes_are_not_part_of_names():
+    "torch.compile's `_orig_mod.`, DDP's `module.` and activation checkpointing's prefix go, as torch's DCP helpers do."
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    m = make_model(0)
+    assert cbopt.Adam(torch.compile(m).named_parameters()).param_names == NAMES
+    assert cbopt.Adam(m.named_parameters(prefix='module')).param_names == NAMES  # DDP's names
+    wrapped = nn.Sequential(checkpoint_wrapper(m[0]), m[1], m[2])
+    assert cbopt.Adam(wrapped.named_parameters()).param_names == NAMES
+    some = cbopt.Adam({'module': dict(m[0].named_parameters()), 'head': dict(m[2].named_parameters())})  # 'module.' only when it starts every name
+    assert some.param_names == ['module.weight', 'module.bias', 'head.weight', 'head.bias']
+    # a checkpoint saved under a wrapper's names loads into the plain model's optimizer, and the reverse
+    src = step_random(cbopt.Adam(m.named_parameters(), lr=0.01, wd=0.1), 2)
+    sd = src.named_state_dict()
+    sd['state'] = {f'module._orig_mod.{n}': s for n, s in sd['state'].items()}
+    sd['param_groups'][0]['params'] = [f'module._orig_mod.{n}' for n in sd['param_groups'][0]['params']]
+    dst = cbopt.Adam(make_model(1).named_parameters())
+    dst.load_state_dict(sd)
+    assert_same(snapshot(dst), snapshot(src))
+
+
+def test_dcp_state_dict_is_keyed_by_model_names_and_loads_back():
+    "torch's DCP helpers read cbopt's state_dict as a torch.optim one: the model's FQNs, cbopt's state and hypers."
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    m = make_model(0)
+    opt = step_random(cbopt.Adam(m.parameters(), lr=0.01, wd=0.1), 3)  # positional names: DCP names them by the model
+    osd = get_optimizer_state_dict(m, opt)
+    assert list(osd['state']) == NAMES and all(set(s) == ADAM_KEYS for s in osd['state'].values())
+    assert osd['param_groups'][0]['params'] == NAMES and osd['param_groups'][0]['wd'] == 0.1
+    m2 = make_model(1)
+    dst = cbopt.Adam(m2.named_parameters(), lr=0.5)
+    set_optimizer_state_dict(m2, dst, osd)
+    assert dst.hypers == opt.hypers
+    for p, q in zip(opt.params, dst.params): torch.testing.assert_close(dst.state[q]['sqr_avg'], opt.state[p]['sqr_avg'], rtol=0, atol=0)

@@ -144,7 +144,7 @@ def test_asgd_averaged_params_are_torchs_ax():
     ref, ref_opt = torch_run('asgd-avg-l2')
     for backend in ('loop', 'foreach'):
         model, opt = cbopt_run('asgd-avg-l2', backend)
-        avgs = {n: st['param_avg'] for n, st in opt.state_dict()['state'].items()}
+        avgs = {n: st['param_avg'] for n, st in opt.named_state_dict()['state'].items()}
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             ax = ref_opt.state[q]['ax']
             assert (avgs[n] - p).abs().max() > 1e-3 * p.abs().max()  # an average, not a copy of the params
@@ -340,7 +340,7 @@ def test_state_dict_weights_only_resume_bit_exact(name):
     torch.save(half_opt.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
-    assert set(sd['state']) == {n for n, _ in half.named_parameters()}  # keyed by FQN
+    assert [n for g in sd['param_groups'] for n in g['param_names']] == [n for n, _ in half.named_parameters()]
     model = copy.deepcopy(half)
     opt = CASES[name][0](model.named_parameters(), backend='loop')
     opt.load_state_dict(sd)
@@ -348,10 +348,10 @@ def test_state_dict_weights_only_resume_bit_exact(name):
         warnings.simplefilter('error')
         train(opt, model, 20, start=20)
     assert_same(model, full)
-    assert opt.state_dict()['state'].keys() == full_opt.state_dict()['state'].keys()
-    for n, st in opt.state_dict()['state'].items():
+    assert opt.named_state_dict()['state'].keys() == full_opt.named_state_dict()['state'].keys()
+    for n, st in opt.named_state_dict()['state'].items():
         for k, v in st.items():
-            w = full_opt.state_dict()['state'][n][k]
+            w = full_opt.named_state_dict()['state'][n][k]
             assert torch.equal(v, w) if torch.is_tensor(v) else v == w, f"{name}: state {k!r} of {n} differs"
 
 

@@ -199,7 +199,7 @@ def test_state_dict_hooks():
     opt.register_state_dict_post_hook(lambda o, sd: {**sd, 'extra': 1})  # a returned dict replaces the state_dict
     sd = opt.state_dict()
     assert calls == ['pre'] and sd['extra'] == 1 and sd['param_groups'][0]['note'] == 'in place'
-    assert set(sd['state']) == {n for n, _ in m.named_parameters()}
+    assert [n for g in sd['param_groups'] for n in g['param_names']] == [n for n, _ in m.named_parameters()]
 
     def pre(o, sd):
         calls.append(('load-pre', o.param_groups[0]['lr']))

@@ -1,20 +1,20 @@
-"""Other libraries' optimizer state_dicts read as cbopt's named format: torch.optim's (integer ids, with or without
-`param_names`; `exp_avg` is `grad_avg`, `betas` are `mom`/`sqr_mom`, ...) and fastai's (state listed by position,
-one hypers dict per group, Lookahead's slow weights)."""
+"""Every state_dict cbopt loads, read into one form (`Checkpoint`: params in order with their names if any, and
+groups): cbopt's own two layouts (torch's integer ids with `param_names`, and the name-keyed one), torch.optim's
+(integer ids, with or without `param_names`; `exp_avg` is `grad_avg`, `betas` are `mom`/`sqr_mom`, ...), the
+name-keyed dicts torch's DCP `set_optimizer_state_dict` passes, and fastai's (state listed by position, one hypers
+dict per group, Lookahead's slow weights). Matching them to an optimizer's params is `named.prepare_load`'s."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..chain import chain_name, unwrap
 from .flags import split_flags
 
-if TYPE_CHECKING: from ..optimizer import Optimizer
-
-__all__ = ['to_named', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE', 'TORCH_CHAIN_FLAGS',
-           'torch_hyper_names', 'torch_state_names']
+__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
+           'TORCH_CHAIN_FLAGS', 'torch_hyper_names', 'torch_state_names', 'torch_state']
 
 # torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
 TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg',
@@ -32,9 +32,6 @@ TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'betas': ('mom', 'sqr_mom'), 'weig
 TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize')
 TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
-
-
-def _is_positional(names: list[str]) -> bool: return all(n == str(i) for i, n in enumerate(names))
 
 
 def torch_hyper_names(cbs) -> dict:
@@ -61,71 +58,93 @@ def _check_flags(i: int, g: Mapping, cbs) -> None:
                              f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={ours}: build it with {flag}={bool(g[flag])}")
 
 
-def _from_torch(opt: Optimizer, sd: Mapping) -> dict:
-    "A torch.optim state_dict (integer ids in param order) renamed to FQNs and to cbopt's state and hyper names."
-    groups, ours = sd['param_groups'], opt.param_groups
-    if len(groups) != len(ours):
-        raise ValueError(f"the torch.optim state_dict has {len(groups)} param groups, this optimizer {len(ours)}")
-    id2name, id2keys, out_groups = {}, {}, []
-    for i, (g, mine) in enumerate(zip(groups, ours)):
-        if len(g['params']) != len(mine['params']):
-            raise ValueError(f"param group {i} has {len(g['params'])} params in the torch.optim state_dict, "
-                             f"{len(mine['params'])} here")
-        their_names, state_keys = g.get('param_names'), torch_state_names(mine['cbs'])
-        for j, (pid, name) in enumerate(zip(g['params'], mine['param_names'])):
-            if their_names is not None and not _is_positional(opt.param_names) and their_names[j] != name:
-                raise ValueError(f"param {j} of group {i} is {their_names[j]!r} in the torch.optim state_dict "
-                                 f"but {name!r} here")
-            id2name[pid] = name
-            id2keys[pid] = state_keys
-        _check_flags(i, g, mine['cbs'])
-        hypers, names = {}, torch_hyper_names(mine['cbs'])
-        for k, v in g.items():
-            if k not in names: continue
+class Saved(NamedTuple):
+    "One param of a checkpoint: its name (None if the checkpoint has none), its state, and its group's index."
+    name: str | None
+    state: dict
+    group: int | None
+
+
+class Checkpoint(NamedTuple):
+    """Any supported state_dict, read: its params in order, its groups (hypers, whole-model entries and `chain`; a
+    torch.optim group's entries as torch names them, read by `torch_hypers` with the chain they load into), each group's size (None when the format does not say: fastai's), and where it came from."""
+    params: list[Saved]
+    groups: list[dict]
+    sizes: list[int] | None
+    origin: str  # 'cbopt', 'torch' or 'fastai'
+    unlisted: list = []  # keys of the state that no group lists (an error once the params are matched)
+
+
+def torch_hypers(i: int, g: Mapping, cbs) -> dict:
+    """torch.optim group `i`'s entries as hypers of the chain `cbs` (by cbopt's names: `betas` are `mom` and `sqr_mom`,
+    `weight_decay` is `wd`, ...; see `torch_hyper_names`), its algorithm flags checked against the chain, its whole-model
+    entries kept."""
+    _check_flags(i, g, cbs)
+    hypers, names = {}, torch_hyper_names(cbs)
+    for k, v in g.items():
+        if '.' in k: hypers[k] = v
+        elif k in names:
             if isinstance(names[k], tuple): hypers.update(zip(names[k], v, strict=True))
             else: hypers[names[k]] = v
-        out_groups.append({**hypers, 'params': list(mine['param_names'])})
-    state = {}
-    for pid, s in sd['state'].items():
-        if pid not in id2name: raise ValueError(f"the torch.optim state_dict has state for param id {pid}, which no group lists")
-        new = {}
-        for k, v in s.items():
-            if v is None: continue
-            if k == 'step': v = int(v.item()) if isinstance(v, torch.Tensor) else int(v)
-            new[id2keys[pid].get(k, k)] = v
-        state[id2name[pid]] = new
-    return {'state': state, 'param_groups': out_groups}
+    return hypers
 
 
-def _from_fastai(opt: Optimizer, sd: Mapping) -> dict:
-    """A fastai Optimizer state_dict (state listed in param order, one hypers dict per group) keyed by FQN. A fastai
+def torch_state(s: Mapping, cbs) -> dict:
+    "A torch.optim param state by cbopt's names for the chain `cbs` (`torch_state_names`); `step` (a tensor in torch) as an int."
+    names, new = torch_state_names(cbs), {}
+    for k, v in s.items():
+        if v is None: continue
+        if k == 'step': v = int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+        new[names.get(k, k)] = v
+    return new
+
+
+def _group_names(g: Mapping) -> list:
+    """The names of a group's params: its `params` if they are names (cbopt's named layout; DCP's load dicts, keyed by
+    the model's FQNs), else its `param_names` (torch's layout), else none. `param_names` of another length than
+    `params` name other params (ZeroRedundancyOptimizer copies rank 0's into every group) and are ignored."""
+    params, names = list(g['params']), g.get('param_names')
+    if params and all(isinstance(k, str) for k in params): return params
+    if names is not None and len(names) == len(params): return list(names)
+    return [None] * len(params)
+
+
+def _read_groups(sd: Mapping) -> Checkpoint:
+    "A state_dict with `param_groups` (cbopt's named or torch layout, torch.optim's, DCP's load dicts)."
+    ours = any('chain' in g for g in sd['param_groups'])  # cbopt's own: its state and hyper names are cbopt's
+    state, params, groups, listed = sd['state'], [], [], set()
+    for gi, g in enumerate(sd['param_groups']):
+        keys = list(g['params'])
+        if not all(isinstance(k, (int, str)) and not isinstance(k, bool) for k in keys):
+            raise ValueError(f"group {gi} of the state_dict lists params that are neither names (str) nor torch ids (int)")
+        for k, name in zip(keys, _group_names(g)):
+            if k in listed: raise ValueError(f"param {k!r} is listed twice in the state_dict's groups")
+            listed.add(k)
+            s = dict(state.get(k) or {})
+            params.append(Saved(name, s, gi))  # torch's: see torch_state
+        groups.append({k: v for k, v in g.items() if k not in ('params', 'param_names')})  # torch's: see torch_hypers
+    return Checkpoint(params, groups, [len(g['params']) for g in sd['param_groups']], 'cbopt' if ours else 'torch',
+                      [k for k in state if k not in listed])
+
+
+def _read_fastai(sd: Mapping) -> Checkpoint:
+    """A fastai Optimizer state_dict (state listed in param order, one hypers dict per group, no names). A fastai
     Lookahead's `count` and `slow_weights` become each param's `la_step` and `slow_p` (cbopt's Lookahead state)."""
-    states, hypers = list(sd['state']), list(sd['hypers'])
-    if len(hypers) != len(opt.param_groups):
-        raise ValueError(f"the fastai state_dict has {len(hypers)} param groups, this optimizer {len(opt.param_groups)}")
-    if len(states) != len(opt.params):
-        raise ValueError(f"the fastai state_dict has state for {len(states)} params, this optimizer has {len(opt.params)}")
-    state = {n: dict(s) for n, s in zip(opt.param_names, states) if s}
+    states, hypers = [dict(s) for s in sd['state']], [dict(h) for h in sd['hypers']]
     if sd.get('slow_weights') is not None:  # fastai's Lookahead: one step count, and slow weights listed per group
         slow = [w for g in sd['slow_weights'] for w in g]
-        if len(slow) != len(opt.params):
-            raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, "
-                             f"this optimizer has {len(opt.params)}")
+        if len(slow) != len(states):
+            raise ValueError(f"the fastai state_dict has slow weights for {len(slow)} params, state for {len(states)}")
         stateless = not any(split_flags(s)[0] for s in states)  # e.g. Lookahead over plain SGD: slow weights are all
-        for n, s, w in zip(opt.param_names, states, slow):
-            if stateless or split_flags(s)[0]: state.setdefault(n, {}).update(slow_p=w, la_step=int(sd['count']))
-    groups = [{**dict(h), 'params': list(g['param_names'])} for h, g in zip(hypers, opt.param_groups)]
-    return {'state': state, 'param_groups': groups}
+        for s, w in zip(states, slow):
+            if stateless or split_flags(s)[0]: s.update(slow_p=w, la_step=int(sd['count']))
+    return Checkpoint([Saved(None, s, None) for s in states], hypers, None, 'fastai')
 
 
-def to_named(opt: Optimizer, sd: Any) -> tuple[dict, str]:
-    "Any supported state_dict as a cbopt FQN-keyed one, and where it came from: 'cbopt', 'torch' or 'fastai'."
+def read_checkpoint(sd: Any) -> Checkpoint:
+    "Any supported state_dict (cbopt's two layouts, torch.optim's, fastai's, DCP's load dicts), read."
     if not isinstance(sd, Mapping) or 'state' not in sd:
         raise TypeError(f"expected a state_dict with a 'state' entry, got {type(sd).__name__}")
-    if 'hypers' in sd and not isinstance(sd['state'], Mapping): return _from_fastai(opt, sd), 'fastai'
+    if 'hypers' in sd and not isinstance(sd['state'], Mapping): return _read_fastai(sd)
     if 'param_groups' not in sd: raise ValueError("the state_dict has no 'param_groups'")
-    ids = [pid for g in sd['param_groups'] for pid in g['params']]
-    if ids and all(isinstance(i, int) for i in ids): return _from_torch(opt, sd), 'torch'
-    if not all(isinstance(i, str) for i in ids):
-        raise ValueError("the state_dict's param groups list params that are neither FQNs (str) nor torch ids (int)")
-    return sd, 'cbopt'
+    return _read_groups(sd)

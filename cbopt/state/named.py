@@ -1,13 +1,21 @@
-"""Named state: state_dicts keyed by fully qualified param names (FQNs), and strict, atomic loading.
+"""Named state: state_dicts in torch's layout and keyed by param names, and strict, atomic loading that matches
+params by name.
 
-A cbopt state_dict is `{'state': {fqn: {key: value}}, 'param_groups': [{**hypers, 'chain': name, 'params': [fqn, ...]}]}`
-(`chain` names the callbacks the group ran, so another algorithm's checkpoint is refused per group) and
-holds only tensors, numbers, strings, lists and dicts, so `torch.load(..., weights_only=True)` reads it.
-`prepare_load` also reads torch.optim state_dicts (integer ids) and fastai's (state by position), checks
-everything, and builds the new state aside, so that a failed load changes nothing.
+`opt.state_dict()` is torch's layout, so every torch tool (DCP's `get_state_dict`, ZeroRedundancyOptimizer, ...)
+reads it: `{'state': {id: {key: value}}, 'param_groups': [{**hypers, 'chain': name, 'param_names': [fqn, ...],
+'params': [id, ...]}]}`, ids counting params in `param_groups` order. `opt.named_state_dict()` is the same keyed by
+the fully qualified param names (FQNs): `{'state': {fqn: ...}, 'param_groups': [{..., 'params': [fqn, ...]}]}`
+(torchrec's KeyedOptimizer layout). `chain` names the callbacks the group ran, so another algorithm's checkpoint is
+refused. Both hold only tensors, numbers, strings, lists and dicts, so `torch.load(..., weights_only=True)` reads them.
+
+`prepare_load` reads either, torch.optim's and fastai's (`formats`), matches the checkpoint's params to this
+optimizer's by name wherever both sides have names (so a checkpoint loads across another grouping or order), by
+position otherwise (as torch does), checks everything, and builds the new state aside, so a failed load changes
+nothing.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from numbers import Number
 from typing import TYPE_CHECKING, Any
@@ -17,11 +25,12 @@ import torch
 from ..chain import chain_name, init_chain_state, is_declared, model_param_state, param_chain, run_chain, transient_keys
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
-from .formats import TORCH_OPTIONAL_STATE, to_named
+from .formats import TORCH_OPTIONAL_STATE, Checkpoint, Saved, read_checkpoint, torch_hypers, torch_state
+from .names import canonical_names, is_positional
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
-__all__ = ['initial_state', 'chain_initial_state', 'named_state_dict', 'prepare_load']
+__all__ = ['initial_state', 'chain_initial_state', 'named_state_dict', 'torch_state_dict', 'prepare_load']
 
 
 def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
@@ -58,20 +67,113 @@ def named_state_dict(opt: Optimizer) -> dict:
     return {'state': state, 'param_groups': groups}
 
 
+def torch_state_dict(opt: Optimizer) -> dict:
+    """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
+    `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
+    named = named_state_dict(opt)
+    ids = {n: i for i, n in enumerate(opt.param_names)}
+    groups = [{**{k: v for k, v in g.items() if k != 'params'}, 'param_names': g['params'],
+               'params': [ids[n] for n in g['params']]} for g in named['param_groups']]
+    return {'state': {ids[n]: s for n, s in named['state'].items()}, 'param_groups': groups}
+
+
 # -- strict, atomic loading --------------------------------------------------------------------------------------
-def _check_groups(opt: Optimizer, groups: list) -> None:
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"the state_dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
-    where = {n: i for i, g in enumerate(opt.param_groups) for n in g['param_names']}
-    for i, (g, mine) in enumerate(zip(groups, opt.param_groups)):
-        if 'chain' in g and g['chain'] != chain_name(mine['cbs']):
-            raise ValueError(f"param group {i} ({', '.join(map(repr, mine['param_names']))}) was saved by the chain "
-                             f"[{g['chain']}], but runs [{chain_name(mine['cbs'])}] here: its state belongs to another algorithm")
-        theirs, ours = list(g['params']), set(mine['param_names'])
-        for n in theirs:
-            if n not in where: raise KeyError(f"unknown param {n!r} in the state_dict's group {i}: this optimizer has no such param")
-            if where[n] != i: raise ValueError(f"param {n!r} is in group {i} of the state_dict but in group {where[n]} here")
-        for n in ours - set(theirs): raise KeyError(f"param {n!r} (group {i}) is missing from the state_dict")
+def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
+    """The checkpoint's param for each of `opt`'s params (in `opt.params` order), each with the index of the
+    checkpoint group it was saved in. By name when both sides name their params (wrapper prefixes removed: `names`),
+    so the groupings may differ; by position otherwise, as torch does, in the same groups."""
+    ours, theirs = opt.param_names, [s.name for s in ck.params]
+    if not is_positional(ours) and not is_positional(theirs):
+        index: dict[str, Saved] = {}
+        for n, s in zip(canonical_names(theirs), ck.params):
+            if n in index: raise ValueError(f"param {n!r} appears twice in the state_dict")
+            index[n] = s
+        known = set(ours)
+        for n in index:
+            if n not in known:
+                raise KeyError(f"unknown param {n!r} in the state_dict: this optimizer has no such param "
+                               f"(it has {', '.join(map(repr, ours[:4]))}{', ...' if len(ours) > 4 else ''})")
+        for i, g in enumerate(opt.param_groups):
+            for n in g['param_names']:
+                if n not in index: raise KeyError(f"param {n!r} (group {i}) is missing from the state_dict")
+        return [index[n] for n in ours]
+    what = f"the {ck.origin} state_dict" if ck.origin != 'cbopt' else "the state_dict"
+    if len(ck.groups) != len(opt.param_groups):
+        raise ValueError(f"{what} has {len(ck.groups)} param groups, this optimizer {len(opt.param_groups)} (its params "
+                         "have no names to match them by, so they are matched by position, in the same groups)")
+    sizes = [len(g['params']) for g in opt.param_groups]
+    if ck.sizes is None:
+        if len(ck.params) != len(ours):
+            raise ValueError(f"{what} has state for {len(ck.params)} params, this optimizer has {len(ours)}")
+        return [s._replace(group=gi) for s, gi in zip(ck.params, (i for i, n in enumerate(sizes) for _ in range(n)))]
+    for i, (theirs_n, ours_n) in enumerate(zip(ck.sizes, sizes)):
+        if theirs_n != ours_n:
+            raise ValueError(f"param group {i} has {theirs_n} params in {what}, {ours_n} here (its params have no "
+                             "names to match them by, so they are matched by position)")
+    return ck.params
+
+
+def _check_chains(opt: Optimizer, ck: Checkpoint, matched: list[Saved], aligned: bool) -> None:
+    "Each param's state was saved by the chain its group runs here (when the checkpoint says: cbopt's do)."
+    k = 0
+    for i, g in enumerate(opt.param_groups):
+        mine = chain_name(g['cbs'])
+        for name in g['param_names']:
+            theirs = ck.groups[matched[k].group].get('chain', mine)
+            k += 1
+            if theirs == mine: continue
+            what = f"param group {i} ({', '.join(map(repr, g['param_names']))})" if aligned else f"param {name!r} (group {i})"
+            raise ValueError(f"{what} was saved by the chain [{theirs}], but runs [{mine}] here: its state belongs to "
+                             "another algorithm")
+
+
+def _from_torch(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> tuple[Checkpoint, list[Saved]]:
+    """A torch.optim checkpoint's groups and states by cbopt's names, each read with the chain of the group its params
+    load into (callbacks declare torch's names for theirs)."""
+    where = [i for i, g in enumerate(opt.param_groups) for _ in g['params']]
+    dest = {}
+    for s, i in zip(matched, where): dest.setdefault(s.group, i)
+    groups = [torch_hypers(j, g, opt.param_groups[dest.get(j, min(j, len(opt.param_groups) - 1))]['cbs'])
+              for j, g in enumerate(ck.groups)]
+    matched = [s._replace(state=torch_state(s.state, opt.param_groups[i]['cbs'])) for s, i in zip(matched, where)]
+    return ck._replace(groups=groups), matched
+
+
+def _aligned(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> bool:
+    "Whether the checkpoint's groups are this optimizer's: as many, each with the same params."
+    if len(ck.groups) != len(opt.param_groups): return False
+    groups = [i for i, g in enumerate(opt.param_groups) for _ in g['params']]
+    return all(s.group == gi for s, gi in zip(matched, groups))
+
+
+def _regrouped_hypers(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> list[dict]:
+    """Each group's hypers when the checkpoint grouped its params otherwise: those of the checkpoint groups its params
+    come from. A hyper they disagree on keeps this optimizer's value (with a warning naming it)."""
+    out, k = [], 0
+    for i, g in enumerate(opt.param_groups):
+        sources = sorted({matched[k + j].group for j in range(len(g['params']))})
+        k += len(g['params'])
+        merged: dict = {}
+        for key in dict.fromkeys(key for s in sources for key in ck.groups[s]):
+            if key in NOT_HYPERS or is_model_entry(key): continue
+            values = [ck.groups[s][key] for s in sources if key in ck.groups[s]]
+            if all(v == values[0] for v in values) and len(values) == len(sources): merged[key] = values[0]
+            elif key in g:
+                warnings.warn(f"group {i}'s params come from checkpoint groups {sources}, which give {key!r} the values "
+                              f"{values}: group {i} keeps its own {key}={g[key]!r}", stacklevel=4)
+        out.append(merged)
+    return out
+
+
+def _pooled_model_entries(ck: Checkpoint) -> dict:
+    "Whole-model callbacks' state of a checkpoint grouped otherwise: each entry is one callback's, wherever it was."
+    pool: dict = {}
+    for i, g in enumerate(ck.groups):
+        for k, v in model_entries(g).items():
+            if k in pool: raise ValueError(f"whole-model callback state {k!r} is in several groups of the state_dict, "
+                                           "which groups its params otherwise than this optimizer: cannot tell whose it is")
+            pool[k] = v
+    return pool
 
 
 def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
@@ -96,26 +198,24 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
     Returns `({param: algorithm state}, [hypers per group])`; raises an error naming the param on any mismatch.
     A param with state here but none in `sd` raises, unless `fresh_ok` and `sd` holds no state at all (a checkpoint
     of a fresh optimizer, as fastai's `lr_find` makes): then every param restarts."""
-    raw, (sd, origin) = sd, to_named(opt, sd)
-    groups = list(sd['param_groups'])
-    if origin == 'torch':  # torch's layout (DCP turns cbopt's names into ids) keeps group entries: whole-model state too
-        groups = [{**g, **model_entries(r)} for g, r in zip(groups, raw['param_groups'])]
-    _check_groups(opt, groups)
-    their_state = sd['state']
-    names = set(opt.param_names)
-    for n in their_state:
-        if n not in names: raise KeyError(f"unknown param {n!r} in the state_dict's state: this optimizer has no such param")
-    fresh = fresh_ok and not any(split_flags(s)[0] for s in their_state.values())
-    new_state, expected_cache = {}, {}
+    ck = read_checkpoint(sd)
+    matched = _match(opt, ck)
+    for k in ck.unlisted:
+        raise KeyError(f"unknown param {k!r} in the state_dict's state: no group of the state_dict lists it")
+    if ck.origin == 'torch': ck, matched = _from_torch(opt, ck, matched)
+    aligned = _aligned(opt, ck, matched)
+    _check_chains(opt, ck, matched, aligned)
+    fresh = fresh_ok and not any(split_flags(s.state)[0] for s in ck.params)
+    new_state, expected_cache, k = {}, {}, 0
     for gi, g in enumerate(opt.param_groups):
         for name, p in zip(g['param_names'], g['params']):
-            ck = split_flags(their_state.get(name, {}))[0]
-            ck = {k: v for k, v in ck.items() if k not in transient_keys(g['cbs'])}  # older checkpoints saved them
+            saved, k = split_flags(matched[k].state)[0], k + 1
+            saved = {key: v for key, v in saved.items() if key not in transient_keys(g['cbs'])}  # older checkpoints saved them
             cur, flags = split_flags(opt.state.get(p, {}))
-            if cur and not ck and not fresh:
+            if cur and not saved and not fresh:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")
-            if not ck:
+            if not saved:
                 new_state[p] = {}
                 continue
             if cur: expected = cur
@@ -123,31 +223,36 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                 key = (gi, p.shape, p.dtype, p.device, tuple(sorted(flags.items())))
                 if key not in expected_cache: expected_cache[key] = initial_state(opt, p, g)
                 expected = expected_cache[key]
-            if origin == 'torch': ck = {k: v for k, v in ck.items() if k in expected or k not in TORCH_OPTIONAL_STATE}
-            if set(ck) != set(expected):
-                if not expected: raise ValueError(f"the state_dict has state {sorted(ck)} for param {name!r}, "
+            if ck.origin == 'torch':
+                saved = {key: v for key, v in saved.items() if key in expected or key not in TORCH_OPTIONAL_STATE}
+            if set(saved) != set(expected):
+                if not expected: raise ValueError(f"the state_dict has state {sorted(saved)} for param {name!r}, "
                                                   f"but this optimizer keeps no state for it")
-                raise ValueError(f"param {name!r} has state keys {sorted(ck)} in the state_dict but {sorted(expected)} "
+                raise ValueError(f"param {name!r} has state keys {sorted(saved)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
-            new_state[p] = {k: _load_value(name, k, ck[k], expected[k]) for k in expected}
-    hypers = [{k: _plain(v) for k, v in g.items() if k not in NOT_HYPERS and not is_model_entry(k)} for g in groups]
+            new_state[p] = {key: _load_value(name, key, saved[key], expected[key]) for key in expected}
+    groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)
+    hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
     for i, h in enumerate(hypers):
-        for k, v in h.items():
-            if k != 'initial_lr': check_hyper(k, v, i)  # a corrupt checkpoint must not load a NaN lr
-    strict = origin == 'cbopt' or any(model_entries(g) for g in groups)
-    for i, (h, g, mine) in enumerate(zip(hypers, groups, opt.param_groups)):
-        ours = model_entries(mine)
-        if strict: h.update(_model_entries(i, model_entries(g), ours))
+        for key, v in h.items():
+            if key != 'initial_lr': check_hyper(key, v, i)  # a corrupt checkpoint must not load a NaN lr
+    if ck.origin == 'cbopt' or any(model_entries(g) for g in ck.groups):  # torch's and fastai's have none: ours stay
+        if aligned:
+            for i, (h, g, mine) in enumerate(zip(hypers, ck.groups, opt.param_groups)):
+                h.update(_model_entries(f"group {i}", model_entries(g), model_entries(mine)))
+        else:
+            ours = {key: v for g in opt.param_groups for key, v in model_entries(g).items()}
+            loaded = _model_entries("any group", _pooled_model_entries(ck), ours)
+            for h, mine in zip(hypers, opt.param_groups): h.update({key: loaded[key] for key in model_entries(mine)})
     return new_state, hypers
 
 
-def _model_entries(i: int, theirs: Mapping, ours: Mapping) -> dict:
-    """Whole-model callbacks' state of group `i` from a checkpoint: exactly the entries this optimizer keeps (an
-    unknown or missing one is an error naming it), each a value of the same kind. (A torch.optim or fastai checkpoint
-    with no such entries at all leaves ours as they are: those optimizers have none.)"""
+def _model_entries(where: str, theirs: Mapping, ours: Mapping) -> dict:
+    """Whole-model callbacks' state from a checkpoint (`where`: 'group 0', or 'any group' when regrouped): exactly the
+    entries this optimizer keeps (an unknown or missing one is an error naming it), each a value of the same kind."""
     for k in theirs:
-        if k not in ours: raise KeyError(f"unknown whole-model callback state {k!r} in the state_dict's group {i}: "
+        if k not in ours: raise KeyError(f"unknown whole-model callback state {k!r} in the state_dict's {where}: "
                                          f"this optimizer keeps {sorted(ours) or 'none'} there")
     for k in ours:
-        if k not in theirs: raise KeyError(f"whole-model callback state {k!r} (group {i}) is missing from the state_dict")
-    return {k: _load_value(f'group {i}', k, theirs[k], ours[k]) for k in ours}
+        if k not in theirs: raise KeyError(f"whole-model callback state {k!r} ({where}) is missing from the state_dict")
+    return {k: _load_value(where, k, theirs[k], ours[k]) for k in ours}
