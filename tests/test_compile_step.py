@@ -45,7 +45,7 @@ def test_compiled_step_matches_eager(backend, lr_kind):
                 else: o.param_groups[0]['lr'].fill_(5e-3)
     for p, q in zip(m.parameters(), m_ref.parameters()): torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert counter.frame_count == frames, "a later step recompiled"
-    assert opt.state_dict()['state']['0.weight']['step'] == 6
+    assert opt.named_state_dict()['state']['0.weight']['step'] == 6
 
 
 def test_compiled_step_is_one_graph_break():

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import cbopt
-from cbopt.state import named_state_dict, prepare_load, split_flags, to_named
+from cbopt.state import named_state_dict, prepare_load, read_checkpoint, split_flags
+from cbopt.state.formats import torch_hypers
 
 
 def model() -> nn.Module:
@@ -60,40 +61,49 @@ def test_not_a_state_dict() -> None:
     refused(opt, [1, 2], TypeError, "expected a state_dict with a 'state' entry, got list")
     refused(opt, {'param_groups': []}, TypeError, "expected a state_dict with a 'state' entry, got dict")
     refused(opt, {'state': {}}, ValueError, "the state_dict has no 'param_groups'")
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     sd['param_groups'][0]['params'][1] = 1.5
-    refused(opt, sd, ValueError, "the state_dict's param groups list params that are neither FQNs (str) nor torch ids (int)")
-    assert to_named(opt, opt.state_dict())[1] == 'cbopt'
+    refused(opt, sd, ValueError, "group 0 of the state_dict lists params that are neither names (str) nor torch ids (int)")
+    assert read_checkpoint(opt.named_state_dict()).origin == read_checkpoint(opt.state_dict()).origin == 'cbopt'
 
 
 # -- cbopt's own format -------------------------------------------------------------------------------------------
 def test_group_errors() -> None:
     opt = adam(groups=True)
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     one = copy.deepcopy(sd)
     one['param_groups'] = one['param_groups'][:1]
-    refused(opt, one, ValueError, "the state_dict has 1 param groups, this optimizer 2")
-    moved = copy.deepcopy(sd)
+    refused(opt, one, KeyError, "param '1.weight' (group 1) is missing from the state_dict")
+    positional = copy.deepcopy(opt.state_dict())  # no names: matched by position, in the same groups
+    for g in positional['param_groups']: del g['param_names']
+    positional['param_groups'] = positional['param_groups'][:1]
+    positional['state'] = {k: v for k, v in positional['state'].items() if k < 2}
+    refused(opt, positional, ValueError, "the state_dict has 1 param groups, this optimizer 2 (its params have no names "
+                                         "to match them by, so they are matched by position, in the same groups)")
+    moved = copy.deepcopy(sd)  # another grouping loads by name
     moved['param_groups'][1]['params'].remove('1.bias')
     moved['param_groups'][0]['params'].append('1.bias')
-    refused(opt, moved, ValueError, "param '1.bias' is in group 0 of the state_dict but in group 1 here")
+    other = adam(groups=True)
+    other.load_state_dict(moved)
+    assert all(torch.equal(other.state[p]['sqr_avg'], opt.state[q]['sqr_avg']) for p, q in zip(other.params, opt.params))
     ghost = copy.deepcopy(sd)
     ghost['param_groups'][1]['params'].append('ghost')
-    refused(opt, ghost, KeyError, "unknown param 'ghost' in the state_dict's group 1: this optimizer has no such param")
+    refused(opt, ghost, KeyError, "unknown param 'ghost' in the state_dict: this optimizer has no such param (it has "
+                                  "'0.weight', '0.bias', '1.weight', '1.bias')")
     gone = copy.deepcopy(sd)
     gone['param_groups'][1]['params'].remove('1.bias')
     refused(opt, gone, KeyError, "param '1.bias' (group 1) is missing from the state_dict")
     ghost_state = copy.deepcopy(sd)
     ghost_state['state']['ghost'] = {}
-    refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: this optimizer has no such param")
+    refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: no group of the state_dict lists it")
 
 
 def test_another_chain_is_refused_per_group() -> None:
     opt = adam(groups=True)
-    sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).state_dict()
+    sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).named_state_dict()
     sd['param_groups'] = [{**sd['param_groups'][0], 'params': ['0.weight', '0.bias']},
                           {**sd['param_groups'][0], 'params': ['1.weight', '1.bias']}]
-    chain = opt.state_dict()['param_groups'][0]['chain']
+    chain = opt.named_state_dict()['param_groups'][0]['chain']
     theirs = sd['param_groups'][0]['chain']
     refused(opt, sd, ValueError, f"param group 0 ('0.weight', '0.bias') was saved by the chain [{theirs}], but runs "
                                  f"[{chain}] here: its state belongs to another algorithm")
@@ -105,7 +115,7 @@ def test_another_chain_is_refused_per_group() -> None:
 
 def test_state_value_errors() -> None:
     opt = adam()
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     cases = [
         ('sqr_avg', [1.], TypeError, "state 'sqr_avg' of param '1.bias' is a list in the state_dict, a Tensor here"),
         ('sqr_avg', torch.zeros(2), ValueError, "state 'sqr_avg' of param '1.bias' has shape (2,) in the state_dict, (1,) here"),
@@ -124,7 +134,7 @@ def test_state_value_errors() -> None:
 
 def test_a_transposed_state_of_as_many_elements_is_refused() -> None:
     opt = adam()
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     sd['state']['0.weight']['grad_avg'] = sd['state']['0.weight']['grad_avg'].t().contiguous()
     refused(opt, sd, ValueError, "state 'grad_avg' of param '0.weight' has shape (3, 2) in the state_dict, (2, 3) here")
 
@@ -133,7 +143,7 @@ def test_numbers_load_as_the_type_the_optimizer_keeps() -> None:
     "A step count saved as a float, a 1-element tensor or a numpy number loads as the int this optimizer keeps."
     src = adam(steps=3)
     for saved in (3.0, torch.tensor(3.), torch.tensor([3]), np.int64(3)):
-        sd = src.state_dict()
+        sd = src.named_state_dict()
         for s in sd['state'].values(): s['step'] = saved
         opt = adam(steps=1)
         opt.load_state_dict(sd)
@@ -142,7 +152,7 @@ def test_numbers_load_as_the_type_the_optimizer_keeps() -> None:
 
 def test_loaded_tensors_take_the_params_dtype_and_are_copies() -> None:
     src = adam()
-    sd = src.state_dict()
+    sd = src.named_state_dict()
     sd['state']['0.weight']['grad_avg'] = sd['state']['0.weight']['grad_avg'].double()
     opt = adam(steps=0)
     opt.load_state_dict(sd)
@@ -156,16 +166,16 @@ def test_missing_state_restarts_only_by_choice() -> None:
     """A param with state here and none in the checkpoint is an error naming it; a checkpoint of a fresh optimizer
     (no state at all, as fastai's lr_find saves) restarts every param when `fresh_ok`."""
     opt = adam()
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     del sd['state']['1.bias']
     refused(opt, sd, ValueError, "the state_dict has no state for param '1.bias', which has state here "
                                  "(['grad_avg', 'sqr_avg', 'step']): loading it would silently restart '1.bias'; "
                                  "call clear_state() first")
-    fresh = adam(steps=0).state_dict()
+    fresh = adam(steps=0).named_state_dict()
     state, hypers = prepare_load(opt, fresh, fresh_ok=True)
     assert all(s == {} for s in state.values()) and len(state) == 4 and hypers[0]['lr'] == 0.01
     with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.weight'"): prepare_load(opt, fresh)
-    half = adam(steps=0).state_dict()
+    half = adam(steps=0).named_state_dict()
     half['state'] = {'0.weight': sd['state']['0.weight']}
     with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.bias'"):
         prepare_load(opt, half, fresh_ok=True)  # some state: not a fresh checkpoint
@@ -173,7 +183,7 @@ def test_missing_state_restarts_only_by_choice() -> None:
 
 def test_state_for_a_param_that_keeps_none() -> None:
     opt = cbopt.SGD(model().named_parameters(), lr=0.1)  # plain SGD: no state
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     sd['state']['1.bias'] = {'grad_avg': torch.zeros(1)}
     refused(opt, sd, ValueError, "the state_dict has state ['grad_avg'] for param '1.bias', but this optimizer keeps "
                                  "no state for it")
@@ -181,7 +191,7 @@ def test_state_for_a_param_that_keeps_none() -> None:
 
 def test_hypers_of_a_checkpoint_are_checked_but_initial_lr() -> None:
     opt = adam()
-    sd = opt.state_dict()
+    sd = opt.named_state_dict()
     sd['param_groups'][0]['lr'] = float('nan')
     refused(opt, sd, ValueError, "Invalid learning rate: nan (group 0) (expected lr >= 0, finite)")
     sd['param_groups'][0]['lr'] = 0.5
@@ -195,7 +205,7 @@ def test_flags_stay_the_receiving_optimizers() -> None:
     src, opt = adam(), adam()
     src.state[src.params[1]]['do_wd'] = False
     opt.state[opt.params[2]]['force_train'] = True
-    opt.load_state_dict(src.state_dict())
+    opt.load_state_dict(src.named_state_dict())
     assert 'do_wd' not in opt.state[opt.params[1]] and opt.state[opt.params[2]]['force_train'] is True
     assert split_flags({'do_wd': False, 'step': 3, 'force_train': True}) == ({'step': 3}, {'do_wd': False, 'force_train': True})
 
@@ -228,12 +238,11 @@ def test_torch_state_dict_is_renamed() -> None:
     "torch's ids become FQNs, exp_avg/exp_avg_sq become grad_avg/sqr_avg, betas mom/sqr_mom, a tensor step an int."
     t, m = torch_adam(lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6)
     opt = adam(steps=0)
-    named, origin = to_named(opt, t.state_dict())
-    assert origin == 'torch'
-    assert named['param_groups'] == [{'lr': 0.02, 'mom': 0.8, 'sqr_mom': 0.95, 'wd': 0.1, 'eps': 1e-6,
-                                      'params': ['0.weight', '0.bias', '1.weight', '1.bias']}]
-    assert list(named['state']) == ['0.weight', '0.bias', '1.weight', '1.bias']
-    st = named['state']['1.weight']
+    ck = read_checkpoint(t.state_dict())
+    assert ck.origin == 'torch' and [s.name for s in ck.params] == [None] * 4
+    assert torch_hypers(0, ck.groups[0], opt.param_groups[0]['cbs']) == {'lr': 0.02, 'mom': 0.8, 'sqr_mom': 0.95,
+                                                                         'wd': 0.1, 'eps': 1e-6}
+    st = ck.params[2].state
     assert set(st) == {'grad_avg', 'sqr_avg', 'step'} and st['step'] == 2 and type(st['step']) is int
     assert torch.equal(st['grad_avg'], t.state[m[1].weight]['exp_avg'])
     assert torch.equal(st['sqr_avg'], t.state[m[1].weight]['exp_avg_sq'])
@@ -256,19 +265,21 @@ def test_torch_rmsprop_state_dict_loads() -> None:
 def test_torch_state_dict_errors() -> None:
     t, _ = torch_adam()
     opt = adam(groups=True)
-    refused(opt, t.state_dict(), ValueError, "the torch.optim state_dict has 1 param groups, this optimizer 2")
+    refused(opt, t.state_dict(), ValueError, "the torch state_dict has 1 param groups, this optimizer 2 (its params "
+                                             "have no names to match them by, so they are matched by position, in the same groups)")
     opt = adam()
     sd = t.state_dict()
     sd['param_groups'][0]['params'] = [0, 1, 2]
-    refused(opt, sd, ValueError, "param group 0 has 3 params in the torch.optim state_dict, 4 here")
+    refused(opt, sd, ValueError, "param group 0 has 3 params in the torch state_dict, 4 here (its params have no "
+                                 "names to match them by, so they are matched by position)")
     sd = t.state_dict()
     sd['state'][7] = sd['state'].pop(3)
-    refused(opt, sd, ValueError, "the torch.optim state_dict has state for param id 7, which no group lists")
+    refused(opt, sd, KeyError, "unknown param 7 in the state_dict's state: no group of the state_dict lists it")
 
 
 def test_torch_state_with_param_names() -> None:
-    """torch's `param_names` must match a named optimizer's, position by position; a positional (unnamed) optimizer
-    takes the ids in order whatever their names."""
+    """torch's `param_names` must be a named optimizer's (matched by name); a positional (unnamed) optimizer takes
+    the ids in order whatever their names."""
     m = model()
     t = torch.optim.Adam(m.named_parameters())
     grads(list(m.parameters()), 0)
@@ -276,7 +287,8 @@ def test_torch_state_with_param_names() -> None:
     sd = t.state_dict()
     sd['param_groups'][0]['param_names'] = ['a', 'b', 'c', 'd']
     opt = adam(steps=0)
-    refused(opt, sd, ValueError, "param 0 of group 0 is 'a' in the torch.optim state_dict but '0.weight' here")
+    refused(opt, sd, KeyError, "unknown param 'a' in the state_dict: this optimizer has no such param (it has "
+                               "'0.weight', '0.bias', '1.weight', '1.bias')")
     plain = cbopt.Adam(model().parameters())
     plain.load_state_dict(sd)
     assert all(plain.state[p]['step'] == 1 for p in plain.params)
@@ -291,8 +303,10 @@ def test_torch_none_state_is_skipped() -> None:
     sd = t.state_dict()
     sd['state'][3]['momentum_buffer'] = None
     opt = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9)
-    named, _ = to_named(opt, sd)
-    assert named['state']['1.bias'] == {} and set(named['state']['0.weight']) == {'grad_avg'}
+    ck = read_checkpoint(sd)
+    assert ck.params[3].state == {} and set(ck.params[0].state) == {'grad_avg'}
+    opt.load_state_dict(sd)
+    assert split_flags(opt.state[opt.params[3]])[0] == {}
 
 
 # -- fastai's format ----------------------------------------------------------------------------------------------
@@ -304,12 +318,13 @@ def fastai_sd(opt) -> dict:
 def test_fastai_state_dict_errors() -> None:
     opt = adam(groups=True)
     sd = fastai_sd(opt)
-    assert to_named(opt, sd)[1] == 'fastai'
-    refused(opt, {**sd, 'hypers': sd['hypers'][:1]}, ValueError, "the fastai state_dict has 1 param groups, this optimizer 2")
+    assert read_checkpoint(sd).origin == 'fastai'
+    refused(opt, {**sd, 'hypers': sd['hypers'][:1]}, ValueError, "the fastai state_dict has 1 param groups, this "
+            "optimizer 2 (its params have no names to match them by, so they are matched by position, in the same groups)")
     refused(opt, {**sd, 'state': sd['state'][:3]}, ValueError,
             "the fastai state_dict has state for 3 params, this optimizer has 4")
     refused(opt, {**sd, 'slow_weights': [[torch.zeros(1)]], 'count': 1}, ValueError,
-            "the fastai state_dict has slow weights for 1 params, this optimizer has 4")
+            "the fastai state_dict has slow weights for 1 params, state for 4")
 
 
 def test_fastai_lookahead_slow_weights_become_slow_p() -> None:
@@ -318,7 +333,7 @@ def test_fastai_lookahead_slow_weights_become_slow_p() -> None:
     opt = cbopt.Lookahead(cbopt.SGD(m.named_parameters(), lr=0.1))
     slow = [[torch.full(p.shape, float(i)) for i, p in enumerate(m.parameters())]]
     sd = {'state': [{} for _ in range(4)], 'hypers': [dict(h) for h in opt.hypers], 'slow_weights': slow, 'count': 3}
-    named, origin = to_named(opt, sd)
-    assert origin == 'fastai'
-    for i, n in enumerate(['0.weight', '0.bias', '1.weight', '1.bias']):
-        assert named['state'][n]['la_step'] == 3 and torch.equal(named['state'][n]['slow_p'], slow[0][i])
+    ck = read_checkpoint(sd)
+    assert ck.origin == 'fastai'
+    for i, saved in enumerate(ck.params):
+        assert saved.state['la_step'] == 3 and torch.equal(saved.state['slow_p'], slow[0][i])
