@@ -203,7 +203,7 @@ class FunctionalOptimizer:
         self._check_params(params)
         opt = Optimizer([(n, p.detach()) for n, p in params.items()], self.cbs, **self.defaults)
         opt.load_state_dict(state_dict)
-        saved = opt.state_dict()
+        saved = opt.named_state_dict()
         group = saved['param_groups'][0]
         for k, v in self.hypers.items():
             if k in group and group[k] != v:

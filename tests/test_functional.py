@@ -102,7 +102,7 @@ def test_update_is_the_optimizer(c):
         loss(dict(ref.named_parameters()), i).backward()
         opt.step()
         assert_close(params, dict(ref.named_parameters()), 1e-12, f"{c} step {i}:")
-    theirs, ours = opt.state_dict(), fopt.to_state_dict(state)
+    theirs, ours = opt.named_state_dict(), fopt.to_state_dict(state)
     assert ours['state'].keys() == theirs['state'].keys()
     for n, st in theirs['state'].items():
         assert st.keys() == ours['state'][n].keys(), n
