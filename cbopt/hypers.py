@@ -89,6 +89,8 @@ class ParamGroup(dict):
     LR schedulers write `group['lr']` directly every step, as torch's do (torch never validates those writes), and
     `load_state_dict` commits through here after checking everything, at a point where nothing may fail."""
     def __setitem__(self, k, v):
+        if k == 'param_names' and 'params' in self and len(v) != len(self['params']):
+            return  # names of other params: ZeroRedundancyOptimizer copies rank 0's group entries into every rank's
         v = _plain(v)
         canon = ALIASES.get(k, k)
         if k != canon and v and 'cbs' in self and canon not in chain_reads(self['cbs']):

@@ -68,7 +68,8 @@ class Optimizer(torch.optim.Optimizer):
             warnings.warn('Setting `train_bn` in `Optimizer` has no effect. Set `train_bn` on `Learner` init instead')
         self.cbs = L(_as_chain(cbs))
         groups = named_groups(params)
-        if not any(g['params'] for g in groups): raise ValueError("optimizer got an empty parameter list")
+        # (a group with no params is allowed, as torch allows it: ZeroRedundancyOptimizer gives a rank with nothing to
+        # own one; no group at all is refused by `named_groups`, with torch's message)
         check_params(groups)
         for alias, canon in ALIASES.items():
             if alias in defaults and canon in defaults and defaults[alias] != defaults[canon]:

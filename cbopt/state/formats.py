@@ -111,7 +111,9 @@ def _group_names(g: Mapping) -> list:
 
 def _read_groups(sd: Mapping) -> Checkpoint:
     "A state_dict with `param_groups` (cbopt's named or torch layout, torch.optim's, DCP's load dicts)."
-    ours = any('chain' in g for g in sd['param_groups'])  # cbopt's own: its state and hyper names are cbopt's
+    # cbopt's own (its state and hyper names are cbopt's): its groups name their chain, or hold it (`cbs`: a live
+    # group, as ZeroRedundancyOptimizer's consolidated state_dict copies cbopt's groups)
+    ours = any('chain' in g or 'cbs' in g for g in sd['param_groups'])
     state, params, groups, listed = sd['state'], [], [], set()
     for gi, g in enumerate(sd['param_groups']):
         keys = list(g['params'])
@@ -122,7 +124,9 @@ def _read_groups(sd: Mapping) -> Checkpoint:
             listed.add(k)
             s = dict(state.get(k) or {})
             params.append(Saved(name, s, gi))  # torch's: see torch_state
-        groups.append({k: v for k, v in g.items() if k not in ('params', 'param_names')})  # torch's: see torch_hypers
+        rest = {k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}  # torch's: see torch_hypers
+        if 'cbs' in g: rest.setdefault('chain', chain_name(g['cbs']))
+        groups.append(rest)
     return Checkpoint(params, groups, [len(g['params']) for g in sd['param_groups']], 'cbopt' if ours else 'torch',
                       [k for k in state if k not in listed])
 
