@@ -15,7 +15,7 @@ from .chain import around_params, cb_name, chain_defaults, chain_name, chain_rea
 from .engine import Backend, as_backend
 from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
-from .params import check_params, named_groups
+from .params import check_params, is_group_dict, named_groups
 from .state import FLAGS, canonical_names, initial_state, named_state_dict, prepare_load, split_flags, torch_state_dict
 
 __all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
@@ -67,9 +67,11 @@ class Optimizer(torch.optim.Optimizer):
             defaults.pop('train_bn')
             warnings.warn('Setting `train_bn` in `Optimizer` has no effect. Set `train_bn` on `Learner` init instead')
         self.cbs = L(_as_chain(cbs))
+        dicts = isinstance(params, (list, tuple)) and params and all(is_group_dict(o) for o in params)
         groups = named_groups(params)
-        # (a group with no params is allowed, as torch allows it: ZeroRedundancyOptimizer gives a rank with nothing to
-        # own one; no group at all is refused by `named_groups`, with torch's message)
+        # torch's group dicts with no params are allowed, as torch allows them: ZeroRedundancyOptimizer gives a rank
+        # that owns nothing one; other forms with no params are a slip (a spent generator, empty lists)
+        if not dicts and not any(g['params'] for g in groups): raise ValueError("optimizer got an empty parameter list")
         check_params(groups)
         for alias, canon in ALIASES.items():
             if alias in defaults and canon in defaults and defaults[alias] != defaults[canon]:

@@ -125,6 +125,9 @@ def test_empty_params():
     with pytest.raises(ValueError, match='empty'): Optimizer([], CBS)
     with pytest.raises(ValueError, match='empty'): Optimizer([[], []], CBS)
     with pytest.raises(ValueError, match='empty'): Optimizer({}, CBS)
+    empty = Optimizer([{'params': []}], CBS, lr=0.1)  # torch's group dicts may be empty (ZeRO's rank that owns nothing)
+    empty.step()
+    assert empty.params == [] and empty.state_dict()['param_groups'][0]['params'] == []
 
 
 def test_param_in_two_groups():
