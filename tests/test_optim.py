@@ -20,8 +20,8 @@ N_STEPS = 5
 DIFFERENCES = {
     ('*', 'duplicate params'): "torch warns on a param listed twice in a group and drops the copy; cbopt refuses it "
                                "(ValueError naming the param): a step is never silently different from what was listed",
-    ('*', 'state_dict to torch'): "cbopt's state_dict is keyed by param names with cbopt's state names; torch.optim "
-                                  "cannot read it (cbopt reads torch's: tested here)",
+    ('*', 'state_dict to torch'): "cbopt's state_dict is torch's layout (ids, param_names) with cbopt's state and hyper "
+                                  "names; torch.optim cannot read those names (cbopt reads torch's: tested here)",
     ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "refused at construction (TypeError naming the param)",
@@ -220,6 +220,6 @@ def test_is_a_full_cbopt_optimizer():
     opt = cbopt.optim.AdamW(m.named_parameters(), lr=1e-2, betas=(0.8, 0.9))
     assert isinstance(opt, cbopt.Optimizer) and isinstance(opt, torch.optim.Optimizer)
     _run(opt, m, 2)
-    assert sorted(opt.state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
+    assert sorted(opt.named_state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
     assert opt.hypers[0]['mom'] == 0.8 and opt.param_groups[0]['betas'] == (0.8, 0.9) if 'betas' in opt.param_groups[0] else True
     assert repr(opt).startswith('AdamW (\nParameter Group 0\n')
