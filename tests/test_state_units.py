@@ -14,7 +14,7 @@ from torch import nn
 
 import cbopt
 from cbopt.state import named_state_dict, prepare_load, read_checkpoint, split_flags
-from cbopt.state.formats import torch_hypers
+from cbopt.state.formats import torch_hypers, torch_state
 
 
 def model() -> nn.Module:
@@ -242,7 +242,7 @@ def test_torch_state_dict_is_renamed() -> None:
     assert ck.origin == 'torch' and [s.name for s in ck.params] == [None] * 4
     assert torch_hypers(0, ck.groups[0], opt.param_groups[0]['cbs']) == {'lr': 0.02, 'mom': 0.8, 'sqr_mom': 0.95,
                                                                          'wd': 0.1, 'eps': 1e-6}
-    st = ck.params[2].state
+    st = torch_state(ck.params[2].state, opt.param_groups[0]['cbs'])
     assert set(st) == {'grad_avg', 'sqr_avg', 'step'} and st['step'] == 2 and type(st['step']) is int
     assert torch.equal(st['grad_avg'], t.state[m[1].weight]['exp_avg'])
     assert torch.equal(st['sqr_avg'], t.state[m[1].weight]['exp_avg_sq'])
@@ -304,7 +304,8 @@ def test_torch_none_state_is_skipped() -> None:
     sd['state'][3]['momentum_buffer'] = None
     opt = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9)
     ck = read_checkpoint(sd)
-    assert ck.params[3].state == {} and set(ck.params[0].state) == {'grad_avg'}
+    cbs = opt.param_groups[0]['cbs']
+    assert torch_state(ck.params[3].state, cbs) == {} and set(torch_state(ck.params[0].state, cbs)) == {'grad_avg'}
     opt.load_state_dict(sd)
     assert split_flags(opt.state[opt.params[3]])[0] == {}
 
