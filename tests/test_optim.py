@@ -223,3 +223,39 @@ def test_is_a_full_cbopt_optimizer():
     assert sorted(opt.named_state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
     assert opt.hypers[0]['mom'] == 0.8 and opt.param_groups[0]['betas'] == (0.8, 0.9) if 'betas' in opt.param_groups[0] else True
     assert repr(opt).startswith('AdamW (\nParameter Group 0\n')
+
+
+# -- the README's table of defaults ------------------------------------------------------------------------------------
+RECIPES = {'SGD': 'SGD', 'Adam': 'Adam', 'AdamW': 'Adam', 'RMSprop': 'RMSProp', 'RAdam': 'RAdam', 'NAdam': 'NAdam',
+           'Adagrad': 'Adagrad', 'Adadelta': 'Adadelta', 'Adamax': 'Adamax', 'ASGD': 'ASGD', 'Rprop': 'Rprop',
+           'Adafactor': 'Adafactor'}
+
+
+def _defaults(f) -> str:
+    "A callable's hyper defaults as the table writes them (not params, flags, None or the backend)."
+    import inspect
+    out = []
+    for p in inspect.signature(f).parameters.values():
+        if p.name in ('self', 'params', 'backend', 'kwargs') or p.default is inspect.Parameter.empty: continue
+        if isinstance(p.default, bool) or p.default is None: continue
+        out.append(f'`{p.name}={p.default!r}`')
+    return ', '.join(out)
+
+
+def defaults_table() -> str:
+    "The README's table: torch.optim's (and so cbopt.optim's) defaults, cbopt's recipe's, and fastai's where it has one."
+    import fastai.optimizer as fastai_optim
+    rows = ['| torch.optim / cbopt.optim | its defaults | cbopt recipe (fastai names) | its defaults | fastai | its defaults |',
+            '|---|---|---|---|---|---|']
+    for name, recipe in RECIPES.items():
+        fa = getattr(fastai_optim, recipe, None)
+        rows.append(f"| `{name}` | {_defaults(getattr(torch.optim, name).__init__)} | `cbopt.{recipe}` | "
+                    f"{_defaults(getattr(cbopt, recipe))} | {'`' + recipe + '`' if fa else '-'} | {_defaults(fa) if fa else '-'} |")
+    return '\n'.join(rows)
+
+
+def test_readme_defaults_table_matches_the_code():
+    from pathlib import Path
+    readme = (Path(__file__).parent.parent / 'README.md').read_text()
+    assert defaults_table() in readme, "regenerate the README's table: print(tests.test_optim.defaults_table())"
+    assert set(RECIPES) == set(cbopt.optim.__all__)
