@@ -57,6 +57,10 @@ CASES = {
                         foreach=False), 1e-6),
     'adan-decoupled': (partial(cbopt.Adan, lr=1e-2, wd=0.3, decouple_wd=True),
                        partial(_pytorch_optimizer, 'Adan', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
+    # (Adan's maximize is not compared: pytorch-optimizer sets previous_grad from the grad before negating it, so its
+    # first difference is -2*grad instead of 0; cbopt's maximize negates first, as torch does)
+    'ademamix-maximize': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, maximize=True),
+                          partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, maximize=True), 1e-6),
     'ademamix': (cbopt.AdEMAMix, partial(_pytorch_optimizer, 'AdEMAMix'), 1e-6),
     'ademamix-warmup-l2': (partial(cbopt.AdEMAMix, lr=1e-2, mom=0.8, sqr_mom=0.95, slow_mom=0.99, slow_alpha=3.,
                                    t_alpha_beta3=30, wd=0.1),  # 30 < 50 steps: the warmup ends within the run
