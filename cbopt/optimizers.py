@@ -37,8 +37,11 @@ def adam_chain(step: Callable = adam_step, decouple_wd: bool = True, amsgrad: bo
                                   *([amsgrad_max] if amsgrad else []), step_stat, step]
 
 
-register_kernel(adam_chain(), fused_adamw)  # cbopt's AdamW is exactly torch's fused AdamW
-register_kernel(maximizing(adam_chain()), partial(fused_adamw, maximize=True))
+for _amsgrad in (False, True):  # cbopt's AdamW is exactly torch's fused AdamW, with its amsgrad and maximize flags
+    for _maximize in (False, True):
+        register_kernel(maximizing(adam_chain(amsgrad=_amsgrad), _maximize),
+                        partial(fused_adamw, maximize=_maximize, amsgrad=_amsgrad))
+del _amsgrad, _maximize
 
 
 @torch_keywords()

@@ -180,7 +180,7 @@ CASES: list[Case] = [
                                                                          amsgrad=True, backend=backend),
          torch=lambda ps, lr, **kw: optim.AdamW(ps, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True,
                                                 **kw),
-         torch_parity=Tol(floor=ROUNDING_FLOOR), compiles=('aot_eager',)),
+         torch_parity=Tol(floor=ROUNDING_FLOOR), has_torch_kernel=True),
     # maximizing: weight decay small enough that no param decays to ~0 (where the kernel's rounding is all there is)
     Case('adam-maximize', build=lambda ps, lr, backend='auto': cbopt.Adam(ps, lr, mom=0.8, sqr_mom=0.95, eps=1e-6,
                                                                           wd=0.01, maximize=True, backend=backend),

@@ -276,17 +276,19 @@ def test_maximize_is_minimizing_the_negated_loss(name, backend):
     assert not torch.equal(up[0].weight, make_model()[0].weight)
 
 
-def test_maximize_adamw_runs_torchs_fused_kernel(monkeypatch):
-    "A maximizing AdamW still runs as torch's fused kernel (with its maximize flag) under fused and auto, as torch's."
+@pytest.mark.parametrize('amsgrad', [False, True])
+def test_maximize_adamw_runs_torchs_fused_kernel(monkeypatch, amsgrad):
+    """A maximizing AdamW, with or without amsgrad, still runs as torch's fused kernel (with its flags) under fused and
+    auto, within 1e-5 of torch's."""
     calls, kernel = [], torch._fused_adamw_
-    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(k['maximize']) or kernel(*a, **k))
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append((k['maximize'], k['amsgrad'])) or kernel(*a, **k))
     ref = make_model()
-    train(optim.AdamW(ref.parameters(), lr=0.01, maximize=True, foreach=False), ref, STEPS)
+    train(optim.AdamW(ref.parameters(), lr=0.01, maximize=True, amsgrad=amsgrad, foreach=False), ref, STEPS)
     for backend in ('fused', 'auto'):
         model, calls[:] = make_model(), []
         train_keeping_grads(cbopt.Adam(model.named_parameters(), lr=0.01, sqr_mom=0.999, eps=1e-8, maximize=True,
-                                       backend=backend), model, STEPS)
-        assert calls == [True] * (STEPS - 1)  # the first step, creating the state, runs eagerly
+                                       amsgrad=amsgrad, backend=backend), model, STEPS)
+        assert calls == [(True, amsgrad)] * (STEPS - 1)  # the first step, creating the state, runs eagerly
         assert_rel_close(model, ref, rtol=TOL, msg=f'{backend}:', **PER_TENSOR)
 
 
@@ -379,7 +381,8 @@ def test_torch_constructor_checks():
                      ('epsilon2', dict(eps=(None, -1.))), ('Clipping threshold d', dict(d=0.5))]:
         with pytest.raises(ValueError, match=msg): Adafactor(ps(), **bad)
     for cls, torch_cls in [(Adagrad, optim.Adagrad), (Adadelta, optim.Adadelta), (Adamax, optim.Adamax),
-                           (NAdam, optim.NAdam), (ASGD, optim.ASGD), (Rprop, optim.Rprop), (Adafactor, optim.Adafactor)]:
+                           (NAdam, optim.NAdam), (ASGD, optim.ASGD), (Rprop, optim.Rprop), (Adafactor, optim.Adafactor),
+                           (Muon, optim.Muon)]:
         assert inspect.signature(cls).parameters['lr'].default == inspect.signature(torch_cls).parameters['lr'].default
 
 

@@ -62,34 +62,37 @@ def _scaled_slices(b: Bucket, scale: torch.Tensor, keys: tuple[str, ...]):
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
 
 
-def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False,
+def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool = False,
                 grad_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
-    `negate_grad`; with `grad_scale`: on the grads times it, e.g. clipped), or None if it does not apply."""
+    `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; with `grad_scale`: on the grads times it, e.g.
+    clipped), or None if it does not apply."""
     st, p0 = b.states[0], b.params[0]
+    moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
-    if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {'grad_avg', 'sqr_avg', 'step'}: return None
+    if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {*moments, 'step'}: return None
     lr = hyper['lr']  # a number, or a tensor on the params' device (the kernel takes either: a tensor lr is read in it)
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == b.params[0].device)
     if 'dampening' in hyper or not lr_ok or not _is_float(hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
-    if any(s[k].dtype != p0.dtype for s in b.states for k in ('grad_avg', 'sqr_avg')): return None
+    if any(s[k].dtype != p0.dtype for s in b.states for k in moments): return None
     if any(p.grad.dtype != p0.dtype for p in b.params): return None
     # the kernel walks grads and state in the param's memory order: all strides must match (a transposed param with a
     # contiguous grad, channels_last) or it silently pairs the wrong elements
-    if any(p.grad.stride() != p.stride() or s['grad_avg'].stride() != p.stride() or s['sqr_avg'].stride() != p.stride()
+    if any(p.grad.stride() != p.stride() or any(s[k].stride() != p.stride() for k in moments)
            for p, s in zip(b.params, b.states)): return None
     if grad_scale is not None and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     def run():
         step = st['step'] + 1
         step_t = torch.tensor(float(step), device=p0.device)
-        kw = dict(lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], eps=hyper['eps'], amsgrad=False,
+        kw = dict(lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], eps=hyper['eps'], amsgrad=amsgrad,
                   weight_decay=hyper['wd'] if st.get('do_wd', True) else 0., maximize=maximize)
+        no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
         if grad_scale is None:
-            torch._fused_adamw_(b.params, [p.grad for p in b.params], [s['grad_avg'] for s in b.states],
-                                [s['sqr_avg'] for s in b.states], [], [step_t] * len(b.params), **kw)
+            bufs = [[s[k] for s in b.states] for k in moments] + no_max
+            torch._fused_adamw_(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
         else:
-            for ps, gs, ms, vs in _scaled_slices(b, grad_scale, ('grad_avg', 'sqr_avg')):
-                torch._fused_adamw_(ps, gs, ms, vs, [], [step_t] * len(ps), **kw)
+            for ps, gs, *bufs in _scaled_slices(b, grad_scale, moments):
+                torch._fused_adamw_(ps, gs, *bufs, *no_max, [step_t] * len(ps), **kw)
         for s in b.states: s['step'] = step
     return run
