@@ -74,7 +74,7 @@ def test_hypers_keys_and_errors() -> None:
     assert 'wd' not in g
     assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 2}
     for k in ('params', 'skip_nonfinite.skipped_total'):  # set_hyper's path: refused before any value is looked at
-        with pytest.raises(KeyError) as e: expand_hyper(k, 1, 2)
+        with pytest.raises(KeyError) as e: expand_hyper(k, [1, 2, 3], 2)  # before the count is checked
         assert e.value.args == (f"{k!r} is not a hyper",)
 
 
