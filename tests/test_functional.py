@@ -282,6 +282,16 @@ def test_compiled_update_one_graph():
     compiled_steps(cbopt.functional(cbopt.Adam, wd=0.1), 'aot_eager', 6, 1e-6)
 
 
+def test_compile_names_the_branching_callback():
+    "RAdam's `if r > 5` on the step count (a tensor here) is a graph break: dynamo's fullgraph error names radam_step."
+    torch._dynamo.reset()
+    fopt = cbopt.functional(cbopt.RAdam)
+    params = detached(make_model())
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(torch._dynamo.exc.Unsupported, match='(?s)ata-dependent.*radam_step'):
+        torch.compile(fopt.update, fullgraph=True, backend='aot_eager')(params, grads, fopt.init(params))
+
+
 @pytest.mark.skipif(not SLOW, reason='inductor compiles for a minute on a busy CPU: CBOPT_SLOW=1')
 def test_compiled_update_inductor():
     compiled_steps(cbopt.functional(cbopt.Adam, wd=0.1), 'inductor', 6, 1e-6)
