@@ -201,7 +201,8 @@ class Optimizer(torch.optim.Optimizer):
     def init_state(self) -> None:
         """Create the state of every param that has none, as it is before a first step (so training on is exactly as
         without this call), from the callbacks' declarations; for a chain with an undeclared (fastai-style) callback,
-        as a first step with a zero grad leaves it, computed on a copy. No param changes."""
+        as a first step with a zero grad leaves it, computed on a copy: the entries to load a checkpoint into, not the
+        values before a first step (training on then differs). No param changes."""
         for g in self.param_groups:
             for p in g['params']:
                 if not split_flags(self.state.get(p, {}))[0]:
