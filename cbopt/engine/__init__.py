@@ -105,6 +105,12 @@ def model_plan(opt) -> tuple[list, list]:
 def _declared(cb, attr: str) -> dict: return dict(getattr(unwrap(cb), attr, None) or {})
 
 
+def _fill_param_state(st: dict, p, per_param: Mapping) -> None:
+    "Add to `p`'s state `st` the whole-model per-param entries it lacks, each from its declared initial value."
+    for k, init in per_param.items():
+        if k not in st: st[k] = init(p) if callable(init) else init
+
+
 def init_model_state(opt, plan: tuple | None = None) -> None:
     """Give each whole-model callback its declared state (in the entries of the first group listing it) and each of
     its params with state its declared per-param state, where missing (a new optimizer, a wrapped one, a new group)."""
@@ -117,9 +123,7 @@ def init_model_state(opt, plan: tuple | None = None) -> None:
         for g in groups:
             for p in g['params']:
                 st = opt.state.get(p)
-                if st and split_flags(st)[0]:
-                    for k, init in per_param.items():
-                        if k not in st: st[k] = init(p) if callable(init) else init
+                if st and split_flags(st)[0]: _fill_param_state(st, p, per_param)
 
 
 def _model_param_state(opt, cb, groups: list) -> None:
@@ -134,8 +138,7 @@ def _model_param_state(opt, cb, groups: list) -> None:
             if p.grad is None: continue
             st = opt.state[p]
             if not split_flags(st)[0]: st.update(initial_state(opt, p, g))
-            for k, init in keys.items():
-                if k not in st: st[k] = init(p) if callable(init) else init
+            _fill_param_state(st, p, keys)
 
 
 def _run_model_cb(opt, cb, groups: list, snapshots: dict) -> dict:
