@@ -243,6 +243,14 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """`torch.amp.GradScaler` asks this: when True it leaves the grads scaled and sets `opt.grad_scale` and
+        `opt.found_inf` for the step, which then divides the grads by the scale inside torch's fused kernel (no pass of
+        its own) and changes nothing when an inf was found, as torch's fused optimizers do. Claimed where such a kernel
+        may run (backend `fused` or `auto`, a chain with one); the step unscales the grads no kernel takes."""
+        return self.backend in ('fused', 'auto') and any(engine.has_kernel(param_chain(g['cbs'])) for g in self.param_groups)
+
+    @property
     def last_total_grad_norm(self) -> torch.Tensor | None:
         "The total grad norm before clipping at the last step (torchrec's name), if a `clip_grad_norm` ran."
         return self.step_stats.get('grad_norm')

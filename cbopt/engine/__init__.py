@@ -30,7 +30,7 @@ from . import buckets as bucketing
 from .buckets import Bucket, model_buckets
 from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
-from .kernels import register_kernel, torch_kernel
+from .kernels import has_kernel, register_kernel, torch_kernel
 
 __all__ = ['BACKENDS', 'Backend', 'as_backend', 'run_step', 'register_kernel', 'Bucket', 'model_plan', 'init_model_state']
 
@@ -183,13 +183,20 @@ def run_step(opt) -> None:
         if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
             raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "
                                "opt.train() before opt.step(), and opt.eval() before evaluating or saving")
+    found_inf, loss_scale = getattr(opt, 'found_inf', None), getattr(opt, 'grad_scale', None)  # GradScaler's
+    if found_inf is not None and bool(found_inf):  # (one sync: step counts are Python ints)
+        opt.step_stats = {'lr': [Hypers(g).snapshot().get('lr') for g in opt.param_groups], 'skipped': True,
+                          'skipped_by': 'GradScaler'}
+        return
     plan = model_plan(opt)
     if not (plan[0] or plan[1]):
         snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
-        _run_buckets(opt, snapshots, check=True)
+        _run_buckets(opt, snapshots, check=True, loss_scale=loss_scale)
         opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
         return
     check_grads(opt)  # before the whole-model callbacks change anything
+    if loss_scale is not None:  # whole-model callbacks read unscaled grads: unscale them first, as scaler.unscale_ does
+        unscale_grads([p for g in opt.param_groups for p in g['params'] if p.grad is not None], loss_scale)
     init_model_state(opt, plan)
     user_grads = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
     try: _run_model_step(opt, plan)
@@ -246,6 +253,16 @@ def _scale_grads(params: list, scale) -> None:
         for p, g in zip(ps, torch._foreach_mul([p.grad for p in ps], scale.to(device))): p.grad = g
 
 
+def unscale_grads(params: list, loss_scale: torch.Tensor) -> None:
+    """Divide `params`' grads by GradScaler's `loss_scale` in place, as `scaler.unscale_` does (times the float32
+    reciprocal of the scale, so the same numbers): what a step honouring GradScaler does where no fused kernel folds
+    the division into its pass. GradScaler leaves unscaled grads, with torch's fused optimizers and the others alike."""
+    inv = loss_scale.double().reciprocal().float()
+    by_device: dict = {}
+    for p in params: by_device.setdefault(p.grad.device, []).append(p.grad)
+    for device, grads in by_device.items(): torch._foreach_mul_(grads, inv.to(device))
+
+
 def _pay_scales(opt, scales: dict) -> None:
     "Apply the grad scales groups still owe (a whole-model callback reads the grads next), and forget them."
     for g in opt.param_groups:
@@ -253,25 +270,29 @@ def _pay_scales(opt, scales: dict) -> None:
     scales.clear()
 
 
-def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None) -> None:
+def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None,
+                 loss_scale: torch.Tensor | None = None) -> None:
     """The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads).
     `scales` (id(group) -> 0-d tensor, from `clip_grad_norm`) multiply those groups' grads: inside torch's fused
-    kernel where one steps the bucket (`fused`, `auto`), on scaled copies of the bucket's grads otherwise."""
+    kernel where one steps the bucket (`fused`, `auto`), on scaled copies of the bucket's grads otherwise.
+    `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain."""
     kind, scales = opt.backend_options.kind, scales or {}
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
         if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
         for g, ps in todo:
             if not ps: continue
+            if loss_scale is not None: unscale_grads(ps, loss_scale)
             if id(g) in scales: _scale_grads(ps, scales[id(g)])
             loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
         return
     run = RUNNERS[kind]
     for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None):
         hyper, scale = snapshots[id(b.group)], scales.get(id(b.group))
-        if scale is not None:
-            if kind in ('fused', 'auto') and (kernel := torch_kernel(b, hyper, scale)) is not None:
+        if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
+            if (kernel := torch_kernel(b, hyper, scale, loss_scale)) is not None:
                 kernel()
                 continue
-            _scale_grads(b.params, scale)
+        if loss_scale is not None: unscale_grads(b.params, loss_scale)
+        if scale is not None: _scale_grads(b.params, scale)
         run(opt, b, hyper)

@@ -2,7 +2,11 @@
 
 A recipe registers its chain with the kernel that does the same math (`register_kernel(adam_chain(), fused_adamw)`
 in `cbopt.optimizers`), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
-returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles.
+returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles. It may be
+asked for two grad factors (keywords): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
+which must leave the user's grads as they are; and `loss_scale`, `torch.amp.GradScaler`'s scale, a divisor, which
+torch's kernels take as their own `grad_scale` argument and divide the grads by in place (as torch's fused
+optimizers under GradScaler, and `scaler.unscale_` for the others, leave them).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from ..chain import chain_sig
 from ..hypers import is_model_entry
 from .buckets import Bucket
 
-__all__ = ['register_kernel', 'torch_kernel', 'fused_adamw']
+__all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'fused_adamw']
 
 Kernel = Callable[[Bucket, Mapping], 'Callable[[], None] | None']
 KERNELS: dict[tuple, Kernel] = {}  # chain_sig -> kernel adapter
@@ -25,13 +29,20 @@ def register_kernel(cbs: Iterable[Callable], kernel: Kernel) -> None:
     KERNELS[chain_sig(cbs)] = kernel
 
 
-def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
+def has_kernel(cbs: Iterable[Callable]) -> bool:
+    "Whether a torch kernel is registered for the per-param chain `cbs` (it may still refuse a bucket: see adapters)."
+    return chain_sig(cbs) in KERNELS
+
+
+def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = None,
+                 loss_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
     """A function stepping `b` with torch's fused kernel for its chain, or None if none applies. `grad_scale` (a 0-d
-    tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees: the kernel
-    adapter folds it into its pass, never writing into the grads."""
+    tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees, never
+    writing into the grads; `loss_scale` (GradScaler's) divides them, in place, inside the kernel's pass."""
     kernel = KERNELS.get(chain_sig(b.cbs))
     if kernel is None: return None
-    return kernel(b, hyper) if grad_scale is None else kernel(b, hyper, grad_scale=grad_scale)
+    scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale)) if v is not None}
+    return kernel(b, hyper, **scales)
 
 
 SCALE_CHUNK = 1 << 20  # elements of scaled grads made just before the kernel reads them: they stay in cache (4 MiB fp32)
@@ -63,10 +74,11 @@ def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isins
 
 
 def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool = False,
-                grad_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
+                grad_scale: torch.Tensor | None = None, loss_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
     `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; with `grad_scale`: on the grads times it, e.g.
-    clipped), or None if it does not apply."""
+    clipped, on scaled copies; with `loss_scale`: on the grads divided by it, which the kernel writes back into them,
+    as torch's fused AdamW does under GradScaler), or None if it does not apply."""
     st, p0 = b.states[0], b.params[0]
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
@@ -88,6 +100,9 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
         kw = dict(lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], eps=hyper['eps'], amsgrad=amsgrad,
                   weight_decay=hyper['wd'] if st.get('do_wd', True) else 0., maximize=maximize)
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
+        # the kernel's own `grad_scale` divides the grads and stores the quotients into them (ATen's CPU and CUDA
+        # kernels alike): right for GradScaler's scale (torch leaves the grads unscaled), never for a clip coefficient
+        kw['grad_scale'] = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
         if grad_scale is None:
             bufs = [[s[k] for s in b.states] for k in moments] + no_max
             torch._fused_adamw_(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
