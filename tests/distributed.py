@@ -1,11 +1,25 @@
-"""Two gloo processes on CPU for the torch.distributed tests (`test_distributed.py`): `spawn(worker, ...)` runs
-`worker(rank, world, *args)` in each, and returns what each rank returned. Workers live here, importable by the
-spawned processes."""
+"""Two gloo processes on CPU for the torch.distributed tests (`test_distributed.py`, `test_fsdp.py`): `spawn(worker,
+...)` runs `worker(rank, world, *args)` on every rank and returns what each rank returned, in rank order. Workers live
+in modules the ranks can import (this one, `dist_fsdp.py`).
+
+The ranks are started once per test process and kept (`Ranks`): starting them costs seconds (importing torch and
+cbopt), a task milliseconds. They are forked from multiprocessing's fork server, a fresh process (not a copy of the
+test process, its threads and state) that imports torch and cbopt once for all the ranks. They meet through a file (no port to pick, so no port to race for), on the loopback
+interface, one thread each. Nothing can hang: a task that does not finish in `TIMEOUT` seconds, a rank that dies and
+a rank that raises all fail the test with the rank's traceback, and the ranks are then replaced, since the survivors
+may be stuck in a collective (which gloo itself abandons after `COLLECTIVE_TIMEOUT`)."""
 from __future__ import annotations
 
+import atexit
+import io
 import os
-import socket
+import queue
+import sys
 import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,27 +29,113 @@ from torch import nn
 import cbopt
 
 WORLD = 2
+TIMEOUT = 240.0            # seconds a task may take on all ranks, start-up included (a loaded 2-core machine is slow)
+COLLECTIVE_TIMEOUT = 60.0  # gloo gives up on a collective after this long, so a rank whose peer failed does not hang
+GRACE = 5.0                # after one rank fails, how long the others get to report before they are replaced
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out: str, worker, args) -> None:
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+def _serve(rank: int, world: int, init_file: str, tasks, results) -> None:
+    "A rank: join the group, then run each task sent to it and send back its result (torch.save'd) or its traceback."
     torch.set_num_threads(1)
-    dist.init_process_group('gloo', rank=rank, world_size=world)
-    try: torch.save(worker(rank, world, *args), os.path.join(out, f'{rank}.pt'))
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
+    results.put((rank, 'ready', None))
+    try:
+        while (task := tasks.get()) is not None:
+            worker, args = task
+            try:
+                buf = io.BytesIO()
+                torch.save(worker(rank, world, *args), buf)
+                results.put((rank, 'ok', buf.getvalue()))
+            except BaseException:
+                results.put((rank, 'error', traceback.format_exc()))
     finally: dist.destroy_process_group()
 
 
-def spawn(worker, *args, world: int = WORLD) -> list:
-    "Run `worker(rank, world, *args)` on `world` gloo processes; each rank's return value, in rank order."
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_entry, args=(world, _free_port(), out, worker, args), nprocs=world, join=True)
-        return [torch.load(os.path.join(out, f'{r}.pt'), weights_only=False) for r in range(world)]
+class Ranks:
+    "`world` gloo processes kept for many tasks: `run(worker, *args)` runs `worker(rank, world, *args)` on each."
+    def __init__(self, world: int):
+        ctx = mp.get_context('forkserver')
+        ctx.set_forkserver_preload([__name__])  # one clean process imports torch and cbopt once; the ranks fork from it
+        self.world, self.dir = world, tempfile.TemporaryDirectory(prefix='cbopt-dist-')
+        self.tasks, self.results = [ctx.SimpleQueue() for _ in range(world)], ctx.Queue()
+        env = {'OMP_NUM_THREADS': '1', **({'GLOO_SOCKET_IFNAME': 'lo'} if sys.platform == 'linux' else {}),
+               'PYTHONPATH': os.pathsep.join(p for p in sys.path if p)}  # the fork server ignores our sys.path otherwise
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the fork server, started with the first ranks, and the ranks inherit the environment
+        try:
+            self.procs = [ctx.Process(target=_serve, daemon=True, name=f'cbopt-rank{r}',
+                                      args=(r, world, os.path.join(self.dir.name, 'rendezvous'), self.tasks[r], self.results))
+                          for r in range(world)]
+            for p in self.procs: p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None: os.environ.pop(k)
+                else: os.environ[k] = v
+        self.ready = False
+
+    def _collect(self, what: str, deadline: float) -> list:
+        "Each rank's report, in rank order; raises (naming `what` and the rank) on an error, a dead rank or the deadline."
+        got: dict[int, tuple] = {}
+        failed_at = None
+        while len(got) < self.world:
+            now = time.monotonic()
+            limit = min(deadline, failed_at + GRACE) if failed_at is not None else deadline
+            if now > limit: break
+            try: rank, kind, value = self.results.get(timeout=min(1.0, max(limit - now, 0.01)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
+                if dead and failed_at is None: failed_at = time.monotonic()
+                continue
+            got[rank] = (kind, value)
+            if kind == 'error' and failed_at is None: failed_at = time.monotonic()
+        errors = [f'rank {r}:\n{v}' for r, (k, v) in sorted(got.items()) if k == 'error']
+        dead = [f'rank {r} died (exit code {p.exitcode})' for r, p in enumerate(self.procs) if r not in got and not p.is_alive()]
+        if errors or dead: raise RuntimeError(f'{what} failed on {self.world} gloo ranks:\n' + '\n'.join(errors + dead))
+        if len(got) < self.world:
+            raise TimeoutError(f'{what} did not finish in {TIMEOUT:.0f} s on ranks {sorted(set(range(self.world)) - set(got))}')
+        return [got[r][1] for r in range(self.world)]
+
+    def run(self, worker: Callable, *args) -> list:
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            if not self.ready:
+                self._collect('starting the ranks', deadline)
+                self.ready = True
+            for q in self.tasks: q.put((worker, args))
+            out = self._collect(getattr(worker, '__name__', repr(worker)), deadline)
+        except BaseException:
+            self.close(force=True)
+            raise
+        return [torch.load(io.BytesIO(b), weights_only=False) for b in out]
+
+    def close(self, force: bool = False) -> None:
+        "Stop the ranks (politely: each leaves the group), or kill them (`force`: they may be stuck in a collective)."
+        if not force:
+            for q in self.tasks: q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive(): p.kill()
+            p.join()
+        self.dir.cleanup()
+
+
+_ranks: dict[int, Ranks] = {}
+
+
+def spawn(worker: Callable, *args, world: int = WORLD) -> list:
+    "Run `worker(rank, world, *args)` on `world` gloo processes (kept for the next call); each rank's return value, in rank order."
+    if world not in _ranks or not all(p.is_alive() for p in _ranks[world].procs): _ranks[world] = Ranks(world)
+    try: return _ranks[world].run(worker, *args)
+    except BaseException:
+        _ranks.pop(world, None)
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    for r in _ranks.values(): r.close()
+    _ranks.clear()
 
 
 # -- a model, data and a training loop shared by the workers and the one-process references ----------------------
@@ -91,3 +191,55 @@ def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
         zero.step()
         zero.zero_grad()
     return {'weight': model.module.weight.detach().clone(), 'local_params': len(zero.optim.params)}
+
+
+# -- distributed checkpoints (DCP): saved on one world size, loaded on another ------------------------------------
+def make_dcp_opt(model) -> cbopt.Optimizer:
+    """AdamW under a linear warmup and 3-step accumulation: whole-model callbacks whose state (the warmup count, the
+    accumulation count in the group entries, the grad sums in the per-param state) must survive a checkpoint."""
+    adam = cbopt.Adam(model.named_parameters(), lr=1e-2, wd=0.1)
+    warm = cbopt.WarmupOptimizer(adam, [cbopt.WarmupStage(cbopt.WarmupPolicy.LINEAR, max_iters=10, value=0.1)], lr=None)
+    return cbopt.Accumulate(warm, every=3)
+
+
+def dcp_save_and_load(model, opt, path: str, load: bool) -> None:
+    """torch's recipe: `get_state_dict` (keyed by the model's names), then `dcp.save` to `path`; or `dcp.load` from
+    `path` into that state_dict, then `set_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, opt)
+    sd = {'model': msd, 'optim': osd}
+    if not load: return dcp.save(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def perturbed_model() -> nn.Module:
+    "`make_model()` with other values: a load that left a param or its state as it was would show."
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters(): p.mul_(-2).add_(0.5)
+    return model
+
+
+def dcp_save_ddp(rank: int, world: int, path: str, steps: int, more: int) -> dict:
+    "DDP trains `steps` steps, saves a DCP checkpoint to `path` (each rank its share), then trains `more` steps on."
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(make_model())
+    opt = make_dcp_opt(ddp)
+    train(ddp, opt, steps, rank, world)
+    saved = {'params': params(ddp.module), 'state': opt.named_state_dict()}
+    dcp_save_and_load(ddp, opt, path, load=False)
+    train(ddp, opt, more, rank, world, start=steps)
+    return {**saved, 'final': params(ddp.module)}
+
+
+def dcp_load_ddp(rank: int, world: int, path: str, steps: int, more: int) -> dict:
+    "A DDP model of other values loads the DCP checkpoint at `path` (saved after `steps` steps), then trains `more` steps."
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(perturbed_model())
+    opt = make_dcp_opt(ddp)
+    dcp_save_and_load(ddp, opt, path, load=True)
+    loaded = {'params': params(ddp.module), 'state': opt.named_state_dict()}
+    train(ddp, opt, more, rank, world, start=steps)
+    return {**loaded, 'final': params(ddp.module)}

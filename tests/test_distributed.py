@@ -56,3 +56,70 @@ def test_zero_with_an_empty_partition():
     D.train(lin, opt, 3)
     assert sorted(r['local_params'] for r in ranks) == [0, 1]
     for r in ranks: assert_close_at_scale(r['weight'], lin.weight.detach(), 'weight')
+
+
+# -- distributed checkpoints: saved by 2 ranks, loaded by 1, and the reverse ---------------------------------------
+DCP_STEPS, DCP_MORE = 5, 4  # 5 steps of a 3-step accumulation: saved mid-cycle, 2 micro-batches summed
+
+
+def assert_same_state(got: dict, want: dict, what: str) -> None:
+    "Two named_state_dicts hold the same values, bit for bit: every param's state and every group entry."
+    assert got['param_groups'] == want['param_groups'], what
+    assert list(got['state']) == list(want['state']), what
+    for n, s in want['state'].items():
+        assert set(got['state'][n]) == set(s), f'{what} {n}'
+        for k, v in s.items():
+            if torch.is_tensor(v): assert torch.equal(got['state'][n][k], v), f'{what} {n} {k}'
+            else: assert got['state'][n][k] == v, f'{what} {n} {k}'
+
+
+def continued(state: dict, weights: dict, steps: int, start: int) -> dict:
+    "One process from the given params and optimizer state (loaded without DCP), `steps` steps on the global batch."
+    model = D.perturbed_model()
+    model.load_state_dict(weights)
+    opt = D.make_dcp_opt(model)
+    opt.load_state_dict(state)
+    D.train(model, opt, steps, start=start)
+    return D.params(model)
+
+
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP without a process group: one process
+def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path):
+    """get_state_dict + dcp.save on 2 DDP ranks, dcp.load + set_state_dict in 1 process: the state is loaded bit for
+    bit (the warmup and accumulation counts and the grad sums of the micro-batches so far included), and the run goes
+    on as the uninterrupted one."""
+    ranks = D.spawn(D.dcp_save_ddp, str(tmp_path), DCP_STEPS, DCP_MORE)
+    saved = ranks[0]
+    assert saved['state']['param_groups'][0]['accumulate_grads.micro_step'] == 2
+    assert saved['state']['param_groups'][0]['warmup.iter'] == 1  # one real step so far (after 3 micro-batches)
+    model = D.perturbed_model()
+    opt = D.make_dcp_opt(model)
+    D.dcp_save_and_load(model, opt, str(tmp_path), load=True)
+    assert_same_state(opt.named_state_dict(), saved['state'], 'loaded state')
+    for n, p in D.params(model).items(): assert torch.equal(p, saved['params'][n]), n
+    D.train(model, opt, DCP_MORE, start=DCP_STEPS)
+    # exactly as a process that loads the same params and state without DCP; as the 2 ranks within their rounding
+    same = continued(saved['state'], saved['params'], DCP_MORE, DCP_STEPS)
+    for n, p in D.params(model).items():
+        assert torch.equal(p, same[n]), n
+        for r in ranks: assert_close_at_scale(p, r['final'][n], f'uninterrupted {n}')
+
+
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled')
+def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path):
+    """The reverse: 1 process saves with get_state_dict + dcp.save, 2 DDP ranks load it and go on: each loads the
+    state bit for bit and ends where the uninterrupted process does."""
+    model = D.make_model()
+    opt = D.make_dcp_opt(model)
+    D.train(model, opt, DCP_STEPS)
+    saved = opt.named_state_dict()
+    D.dcp_save_and_load(model, opt, str(tmp_path), load=False)
+    weights = D.params(model)
+    D.train(model, opt, DCP_MORE, start=DCP_STEPS)
+    ranks = D.spawn(D.dcp_load_ddp, str(tmp_path), DCP_STEPS, DCP_MORE)
+    for r in ranks:
+        assert_same_state(r['state'], saved, 'loaded state')
+        for n, p in weights.items(): assert torch.equal(r['params'][n], p), n
+        for n, p in D.params(model).items():
+            assert_close_at_scale(r['final'][n], p, f'uninterrupted {n}')
+            assert torch.equal(r['final'][n], ranks[0]['final'][n]), n
