@@ -28,6 +28,7 @@ from .in_backward import InBackward
 from .pure import FunctionalError, FunctionalOptimizer, functional
 from . import optim
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
+from .integrations import zero as _zero_integration  # registers its hook; imports nothing of torch.distributed
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', 'kahan', 'kahan_chain', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,

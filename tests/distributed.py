@@ -178,6 +178,37 @@ def ddp_and_zero(rank: int, world: int, steps: int) -> dict:
             'zero': params(zddp.module), 'zero_sd': zero.state_dict() if rank == 0 else None}
 
 
+def zero_named_resume(rank: int, world: int, steps: int, more: int, path: str) -> dict:
+    """ZeRO over cbopt.Adam whose ranks name their params (`zero.optim.name_params`): `steps` steps, the consolidated
+    state_dict saved by rank 0 to `path`; then a fresh ZeRO on every rank loads it (weights_only) and trains `more`."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    def make(model):
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
+        zero.optim.name_params(model)
+        return zero
+    ddp = DDP(make_model())
+    zero = make(ddp)
+    train(ddp, zero, steps, rank, world)
+    zero.consolidate_state_dict(to=0)
+    if rank == 0: torch.save(zero.state_dict(), path)
+    dist.barrier()
+    ddp2 = DDP(make_model())
+    with torch.no_grad():
+        for p, q in zip(ddp2.parameters(), ddp.parameters()): p.copy_(q)
+    zero2 = make(ddp2)
+    names = zero2.optim.param_names
+    other = torch.load(path, weights_only=True)
+    other['param_groups'][0]['chain'] = 'average_grad,momentum_step'  # another algorithm's checkpoint: refused
+    try: zero2.load_state_dict(other)
+    except ValueError as e: refused = str(e)
+    zero2.load_state_dict(torch.load(path, weights_only=True))
+    loaded = zero2.optim.named_state_dict()
+    train(ddp2, zero2, more, rank, world, start=steps)
+    return {'names': names, 'names_after_load': zero2.optim.param_names, 'loaded': loaded, 'final': params(ddp2.module),
+            'refused': refused}
+
+
 def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
     "ZeroRedundancyOptimizer over a model of one param: rank 1 owns nothing, its cbopt.Adam has an empty group."
     from torch.distributed.optim import ZeroRedundancyOptimizer

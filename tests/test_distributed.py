@@ -1,5 +1,7 @@
 """cbopt under torch.distributed, 2 gloo processes on CPU (`distributed.py`): each mode equals one process on the
 global batch, and its checkpoints load back by name."""
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -36,15 +38,48 @@ def test_ddp_and_zero_equal_one_process_and_zero_checkpoint_loads_by_position():
     for n, s in ranks[0]['ddp_state']['state'].items():
         for k, v in s.items():
             if torch.is_tensor(v): assert_close_at_scale(v, ref_state[n][k], f'{n} {k}')
-    # ZeRO's consolidated state_dict: global ids, cbopt's state names; loads into a named optimizer by position
-    sd = ranks[0]['zero_sd']
+    # ZeRO's consolidated state_dict: global ids, cbopt's state names and chain, global positions as names (its params
+    # were given unnamed); readable with weights_only; loads into a named optimizer by position
+    buf = io.BytesIO()
+    torch.save(ranks[0]['zero_sd'], buf)
+    sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     assert sorted(sd['state']) == [0, 1, 2, 3] and all(set(s) == {'grad_avg', 'sqr_avg', 'step'} for s in sd['state'].values())
+    assert sd['param_groups'][0]['param_names'] == ['0', '1', '2', '3'] and sd['param_groups'][0]['chain'] == opt.state_dict()['param_groups'][0]['chain']
+    assert set(sd['param_groups'][0]) == set(opt.state_dict()['param_groups'][0])  # cbopt's own layout, entry for entry
     fresh = cbopt.Adam(D.make_model().named_parameters(), lr=0.5)
     fresh.load_state_dict(sd)
     assert fresh.hypers[0]['lr'] == 1e-2 and fresh.hypers[0]['wd'] == 0.1
     for n, p in fresh.named_params().items():
         for k in ('grad_avg', 'sqr_avg'): assert_close_at_scale(fresh.state[p][k], ref_state[n][k], f'zero sd {n} {k}')
         assert fresh.state[p]['step'] == STEPS
+
+
+def test_zero_checkpoint_of_named_ranks_loads_by_name_and_back(tmp_path):
+    """Ranks that name their params (`zero.optim.name_params(model)`) give ZeRO's checkpoint the model's names in its
+    global order: it loads into a plain optimizer of another grouping and order by name, and back into ZeRO (each rank
+    keeps its own names), which trains on as the uninterrupted process."""
+    path = str(tmp_path / 'zero.pt')
+    ranks = D.spawn(D.zero_named_resume, STEPS, 3, path)
+    model, opt = reference()
+    sd = torch.load(path, weights_only=True)
+    assert sd['param_groups'][0]['param_names'] == opt.param_names
+    split = cbopt.Adam([{'params': [(n, p) for n, p in D.make_model().named_parameters() if n.endswith('bias')][::-1]},
+                        {'params': [(n, p) for n, p in D.make_model().named_parameters() if n.endswith('weight')]}], lr=0.5)
+    split.load_state_dict(sd)
+    want = opt.named_state_dict()['state']
+    got = split.named_state_dict()
+    assert [h['lr'] for h in split.hypers] == [1e-2, 1e-2] and [h['wd'] for h in split.hypers] == [0.1, 0.1]
+    for n, s in want.items():
+        for k in ('grad_avg', 'sqr_avg'): assert_close_at_scale(got['state'][n][k], s[k], f'{n} {k}')
+        assert got['state'][n]['step'] == STEPS
+    assert sorted(n for r in ranks for n in r['names']) == sorted(opt.param_names)  # each rank names its own share
+    D.train(model, opt, 3, start=STEPS)
+    for r in ranks:
+        assert 'param group 0 was saved by the chain [average_grad,momentum_step]' in r['refused']
+        assert r['names_after_load'] == r['names']
+        assert sorted(r['loaded']['state']) == sorted(r['names'])
+        for n in r['names']: assert_close_at_scale(r['loaded']['state'][n]['sqr_avg'], want[n]['sqr_avg'], f'loaded {n}')
+        for n, p in D.params(model).items(): assert_close_at_scale(r['final'][n], p, f'resumed {n}')
 
 
 def test_zero_with_an_empty_partition():
