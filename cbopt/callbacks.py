@@ -39,6 +39,7 @@ def weight_decay(p, lr, wd, do_wd=True, **kwargs):
     if do_wd and wd != 0: p.data.mul_(1 - lr * wd)
 weight_decay.defaults = dict(wd=0.)
 weight_decay.state = {}
+weight_decay.torch_flag = 'decoupled_weight_decay'  # torch's flag for decay that shrinks the param (AdamW's)
 
 
 def l2_reg(p, lr, wd, do_wd=True, **kwargs):
@@ -82,6 +83,7 @@ def amsgrad_max(p, sqr_avg, max_sqr_avg=None, **kwargs):
     max_sqr_avg.clamp_(min=sqr_avg)  # clamp(min=t) is torch.maximum, NaNs included
     return {'max_sqr_avg': max_sqr_avg}
 amsgrad_max.state = dict(max_sqr_avg=zeros)
+amsgrad_max.torch_state = dict(max_exp_avg_sq='max_sqr_avg')
 amsgrad_max.torch_flag = 'amsgrad'  # in the chain exactly when torch's group has amsgrad=True
 
 
@@ -96,6 +98,7 @@ def momentum_step(p, lr, grad_avg, **kwargs):
     "SGD with momentum: `p -= lr * grad_avg`."
     p.data.add_(grad_avg, alpha=-lr)
 momentum_step.state = {}
+momentum_step.torch_state = dict(momentum_buffer='grad_avg')  # torch.optim.SGD's name for its momentum
 momentum_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
@@ -103,6 +106,8 @@ def nesterov_step(p, lr, mom, grad_avg, **kwargs):
     "Nesterov momentum, as torch.optim.SGD: `p -= lr * (grad + mom*grad_avg)`."
     p.data.add_(p.grad.data.add(grad_avg, alpha=mom), alpha=-lr)
 nesterov_step.state = {}
+nesterov_step.torch_state = dict(momentum_buffer='grad_avg')
+nesterov_step.torch_flag = 'nesterov'
 nesterov_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
@@ -112,12 +117,14 @@ def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
     p.data.addcdiv_((grad_avg if grad_avg is not None else p.grad.data), denom, value=-lr)
 rms_prop_step.defaults = dict(eps=1e-8)
 rms_prop_step.state = {}
+rms_prop_step.torch_state = dict(square_avg='sqr_avg')  # (fastai's momentum average has no torch name: torch's differs)
 
 
 def step_stat(p, step=0, **kwargs):
     "Count the steps taken by `p` (a Python int, so it never holds a tensor back)."
     return {'step': step + 1}
 step_stat.state = dict(step=0)
+step_stat.torch_state = dict(step='step')  # a tensor in torch's state_dicts, a Python int here
 
 
 def debias(mom: float, damp: float, step: int) -> float:
@@ -133,6 +140,7 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, max_sqr_avg=Non
     p.data.addcdiv_(grad_avg, (v / debias2).sqrt_().add_(eps), value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
 adam_step.state = {}
+adam_step.torch_state = dict(exp_avg='grad_avg', exp_avg_sq='sqr_avg')
 adam_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
@@ -151,6 +159,7 @@ def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs
     else: p.data.add_(grad_avg, alpha=-lr / debias1)
 radam_step.defaults = dict(eps=1e-5, beta=0.)
 radam_step.state = {}
+radam_step.torch_state = dict(exp_avg='grad_avg', exp_avg_sq='sqr_avg')
 radam_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 

@@ -21,10 +21,13 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
   Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
 - `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
   they are not the common ones (`cbopt.state.formats.TORCH_HYPER_KEYS`), so that torch's state_dict loads them;
-- `cb.torch_state = dict(momentum_buffer='mom_buf')`: torch.optim's state names for the state it creates, where they
-  are not the common ones (`cbopt.state.formats.TORCH_STATE_KEYS`);
+- `cb.torch_state = dict(momentum_buffer='grad_avg')`: torch.optim's names for the state it creates or reads (torch
+  name -> cbopt name), in the algorithm it belongs to (`grad_avg` is Adam's `exp_avg` but SGD's `momentum_buffer`: the
+  step callbacks say which), so a torch state_dict loads into the chain and the chain's state_dict can be written in
+  torch's names (`opt.state_dict(format=torch.optim.SGD)`); `cb.torch_extra_state`, a function of the state and
+  hypers, gives the entries torch keeps that cbopt computes (ASGD's `eta` and `mu`);
 - `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
-  with another value is refused).
+  with another value is refused; one of cbopt's state_dicts written for torch sets it).
 
 A **whole-model callback** declares `cb.scope = 'model'`. It runs once per step over every param with a grad of the
 groups whose chain lists it: `cb(params, groups=..., **{**param_state, **model_state, **hypers}) -> dict | None`, where

@@ -17,7 +17,7 @@ import torch
 
 from . import optimizers as _fastai
 from . import torch_optimizers as _torch
-from .callbacks import average_sqr_grad
+from .callbacks import average_sqr_grad, step_stat
 from .hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
 from .optimizer import Optimizer
 from .optimizers import _decay, maximizing
@@ -63,8 +63,16 @@ def _torch_groups(params: Params, names: Mapping, flags: Mapping) -> Params:
 
 class TorchOptimizer(Optimizer):
     """The base of `cbopt.optim`'s classes: a cbopt `Optimizer` built by a cbopt recipe from torch's arguments.
-    `_build` adopts the optimizer the recipe returns, so the class is a thin layer: no math of its own."""
+    `_build` adopts the optimizer the recipe returns, so the class is a thin layer: no math of its own. Its
+    `state_dict()` is what its torch class saves (torch's state and hyper names), so torch.optim loads it;
+    `state_dict(format='cbopt')` has cbopt's names. Both load back."""
     torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
+    state_dict_format = 'torch'
+
+    @property
+    def torch_class(self) -> type:
+        "The torch.optim class of the same name (of the first cbopt.optim class in a subclass's bases)."
+        return next(getattr(torch.optim, c.__name__) for c in type(self).__mro__ if c.__module__ == __name__)
 
     def _build(self, make: Callable[..., Optimizer], params: Params, flags: Mapping, **kw) -> None:
         for k, v in from_torch_names(kw, {**TORCH_NAMES, **self.torch_group_names}).items():  # before the params, as torch
@@ -120,8 +128,9 @@ class AdamW(TorchOptimizer):
 
 
 def _rmsprop(params: Params, lr, sqr_mom, eps, wd, mom, centered: bool, maximize: bool, backend: str) -> Optimizer:
-    "torch's RMSprop as a chain: L2, the squared-grad average, the centered mean, then the step (with momentum or not)."
-    cbs = _decay(False) + [average_sqr_grad] + ([centered_grad_avg] if centered else [])
+    """torch's RMSprop as a chain: L2, the squared-grad average, the centered mean, the step count (torch keeps one,
+    which its state_dicts must hold), then the step (with momentum or not)."""
+    cbs = _decay(False) + [average_sqr_grad] + ([centered_grad_avg] if centered else []) + [step_stat]
     cbs.append(torch_rmsprop_momentum_step if mom != 0 else torch_rmsprop_step)
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, mom=mom, backend=backend)
 

@@ -16,7 +16,8 @@ from .engine import Backend, as_backend
 from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
 from .params import check_params, is_group_dict, named_groups
-from .state import FLAGS, canonical_names, initial_state, named_state_dict, prepare_load, split_flags, torch_state_dict
+from .state import (FLAGS, canonical_names, initial_state, named_state_dict, prepare_load, split_flags, torch_class_state_dict,
+                    torch_state_dict)
 
 __all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
 
@@ -60,6 +61,8 @@ class Optimizer(torch.optim.Optimizer):
     A param group may carry its own chain under `cbs` (`[{'params': matrices, 'cbs': muon_cbs}, {'params': rest}]`);
     its hyper defaults then come from its own chain. `backend` is a name in `cbopt.BACKENDS` or a `cbopt.Backend`."""
     _keep_on_clear = FLAGS
+    state_dict_format: str = 'cbopt'  # what `state_dict()` writes: cbopt.optim's classes write their torch class's
+    torch_class: type | None = None   # the torch.optim class this optimizer is the twin of, if any (cbopt.optim's)
 
     def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str | Backend = 'auto', **defaults):
         self.backend_options = as_backend(backend)  # how `step` runs the chains: see cbopt.engine
@@ -256,12 +259,24 @@ class Optimizer(torch.optim.Optimizer):
         return self.step_stats.get('grad_norm')
 
     # -- state_dicts -----------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, format: str | type | None = None) -> dict:
         """torch's layout, so torch's tools (DCP, ZeroRedundancyOptimizer, ...) read it: `{'state': {id: {...}},
         'param_groups': [{hypers, 'chain': ..., 'param_names': [fqn, ...], 'params': [id, ...]}]}`, ids counting params
-        in `param_groups` order; loadable with weights_only. `named_state_dict()` is the same keyed by names."""
+        in `param_groups` order; loadable with weights_only. `named_state_dict()` is the same keyed by names.
+        `format`: `'cbopt'` (cbopt's state and hyper names), a torch.optim class (`torch.optim.AdamW`: what that class
+        would save, with its names, so it loads there; see `cbopt.state.torch_class_state_dict`), or `'torch'` (the
+        optimizer's own torch class: cbopt.optim's classes, whose default it is). Every format loads back here."""
+        fmt = self.state_dict_format if format is None else format
+        if fmt == 'torch':
+            if self.torch_class is None:
+                raise ValueError(f"state_dict(format='torch'): this optimizer has no torch.optim class of its own; name "
+                                 f"one, e.g. format=torch.optim.AdamW")
+            fmt = self.torch_class
+        if fmt != 'cbopt' and not (isinstance(fmt, type) and issubclass(fmt, torch.optim.Optimizer)):
+            raise ValueError(f"state_dict(format={fmt!r}): expected 'cbopt', 'torch' or a torch.optim class")
         _run_hooks(self._optimizer_state_dict_pre_hooks, self)
-        return _run_hooks(self._optimizer_state_dict_post_hooks, self, torch_state_dict(self))
+        sd = torch_state_dict(self) if fmt == 'cbopt' else torch_class_state_dict(self, fmt)
+        return _run_hooks(self._optimizer_state_dict_post_hooks, self, sd)
 
     def named_state_dict(self) -> dict:
         """`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'chain': ..., 'params': [fqn, ...]}]}` (torchrec's

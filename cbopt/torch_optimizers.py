@@ -51,8 +51,9 @@ def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial
 def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: float = 1e-6, wd: float = 0.,
              decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
     """torch.optim.Adadelta: `sqr_mom` is torch's `rho`, `wd` its `weight_decay`. State: `sqr_avg` (torch's
-    `square_avg`) and `delta_sqr_avg` (torch's `acc_delta`, the average of the squared updates)."""
-    cbs = _decay(decouple_wd) + [average_sqr_grad, adadelta_step]
+    `square_avg`), `delta_sqr_avg` (torch's `acc_delta`, the average of the squared updates) and `step` (as torch's,
+    which a torch state_dict must hold; the math does not use it)."""
+    cbs = _decay(decouple_wd) + [average_sqr_grad, step_stat, adadelta_step]
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 

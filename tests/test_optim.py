@@ -4,6 +4,7 @@ does (loop, foreach, fused where torch has a CPU kernel), every construction err
 torch's state_dicts load mid-run, and deepcopy, hooks, zero grads, no-grad params and tensor lrs behave as torch's.
 Where cbopt deliberately differs, `DIFFERENCES` says so, in this one place."""
 import copy
+import io
 
 import pytest
 import torch
@@ -20,8 +21,6 @@ N_STEPS = 5
 DIFFERENCES = {
     ('*', 'duplicate params'): "torch warns on a param listed twice in a group and drops the copy; cbopt refuses it "
                                "(ValueError naming the param): a step is never silently different from what was listed",
-    ('*', 'state_dict to torch'): "cbopt's state_dict is torch's layout (ids, param_names) with cbopt's state and hyper "
-                                  "names; torch.optim cannot read those names (cbopt reads torch's: tested here)",
     ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "refused at construction (TypeError naming the param)",
@@ -109,6 +108,90 @@ def test_loads_torchs_state_dict(name, config, kwargs):
     _run(opt, m, 3, start=3)
     _run(torch_opt, ref, 3, start=3)
     assert_params_close(m, ref)
+
+
+def _saved(sd):
+    "`sd` through torch.save and torch.load(weights_only=True), as a checkpoint on disk."
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize('name,config,kwargs', list(configs()))
+def test_torch_loads_cbopts_state_dict(name, config, kwargs):
+    """cbopt.optim's state_dict, taken mid-run, is what its torch class saves: torch.optim loads it (weights_only) and
+    steps on as cbopt does; it also loads back into cbopt.optim, as does `state_dict(format='cbopt')`."""
+    models = [_model() for _ in range(4)]
+    opt = getattr(cbopt.optim, name)(models[0].parameters(), **_kw(kwargs))
+    _run(opt, models[0], 3)
+    for m in models[1:]: m.load_state_dict(models[0].state_dict())
+    sd = _saved(opt.state_dict())
+    assert 'chain' not in sd['param_groups'][0]
+    torch_opt = getattr(torch.optim, name)(models[1].parameters(), **_kw(kwargs))
+    torch_opt.load_state_dict(sd)
+    back = getattr(cbopt.optim, name)(models[2].parameters(), **_kw(kwargs))
+    back.load_state_dict(sd)
+    ours = getattr(cbopt.optim, name)(models[3].parameters(), **_kw(kwargs))
+    ours.load_state_dict(_saved(opt.state_dict(format='cbopt')))
+    for o, m in zip((opt, torch_opt, back, ours), models): _run(o, m, 3, start=3)
+    for m in models[1:]: assert_params_close(m, models[0])
+
+
+def _stepped(opt, model):
+    "`opt` after 2 steps on `model`."
+    _run(opt, model, 2)
+    return opt
+
+
+def test_state_dict_for_a_torch_class_refuses_what_it_cannot_hold():
+    "Written for a torch class that cannot hold a chain's state, hypers or flags, a state_dict is refused by name."
+    cases = [  # (an optimizer, its torch class, the error)
+        (lambda ps: cbopt.SGD(ps, mom=0.9, wd=0.1), torch.optim.SGD, r"param group 0 .* decays the weights decoupled "
+         r"\(wd=0.1\), torch.optim.SGD by L2"),
+        (lambda ps: cbopt.Adam(ps, wd=0.1, decouple_wd=False), torch.optim.AdamW, r"by L2 \(wd=0.1\), torch.optim.AdamW decoupled"),
+        (lambda ps: cbopt.Adam(ps, amsgrad=True, wd=0.), torch.optim.RAdam, r"runs with amsgrad=True, which torch.optim.RAdam"),
+        (lambda ps: cbopt.Lamb(ps), torch.optim.Adam, r"state 'grad_avg' of param '0' .* has no torch.optim.Adam name"),
+        (lambda ps: cbopt.RAdam(ps, beta=0.5), torch.optim.RAdam, r"has the hyper beta=0.5, which torch.optim.RAdam has no"),
+        (lambda ps: cbopt.Lookahead(cbopt.Adam(ps, wd=0.)), torch.optim.Adam, r"state 'slow_p' of param '0'"),
+        (lambda ps: cbopt.RMSProp(ps), torch.optim.RMSprop, r"has no step count, which torch.optim.RMSprop's state must"),
+        (lambda ps: cbopt.Adam(ps, wd=0.), 'torch', r"no torch.optim class of its own; name one"),
+        (lambda ps: cbopt.Adam(ps, wd=0.), 'fastai', r"expected 'cbopt', 'torch' or a torch.optim class"),
+    ]
+    for make, cls, match in cases:
+        m = _model()
+        opt = make(m.parameters())
+        _run(opt, m, 2)
+        with pytest.raises(ValueError, match=match): opt.state_dict(format=cls)
+    m = _model()
+    opt = cbopt.Adam(m.parameters(), wd=0.1)
+    opt.state[m[0].weight]['do_wd'] = False  # fastai's flag: torch's weight_decay has no per-param exception
+    _run(opt, m, 2)
+    with pytest.raises(ValueError, match=r"param '0' .* is not decayed \(fastai's do_wd=False\)"):
+        opt.state_dict(format=torch.optim.AdamW)
+    opt.set_hyper('wd', 0.)
+    assert 'do_wd' not in opt.state_dict(format=torch.optim.AdamW)['state'][0]
+
+
+def test_torch_checkpoint_with_another_weight_decay_is_refused():
+    """A torch.optim.Adam checkpoint decaying by L2 does not load into the decoupled cbopt.Adam (nor AdamW's into an L2
+    chain): weight_decay would change meaning. The group is named, and what to do; nothing changes. Without decay it
+    loads either way."""
+    m = _model()
+    torch_opt = _stepped(torch.optim.Adam(m.parameters(), weight_decay=0.1), m)
+    opt = _stepped(cbopt.Adam(m.parameters(), wd=0.01), m)
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"param group 0 of the torch.optim state_dict decays the weights by L2 .*"
+                                         r"weight_decay=0.1.*Build the optimizer with decouple_wd=False"):
+        opt.load_state_dict(torch_opt.state_dict())
+    after = opt.state_dict()
+    assert after['param_groups'] == before['param_groups']
+    assert all(torch.equal(v, after['state'][i][k]) for i, st in before['state'].items() for k, v in st.items()
+               if torch.is_tensor(v))
+    adamw = _stepped(torch.optim.AdamW(m.parameters(), weight_decay=0.1), m)
+    with pytest.raises(ValueError, match=r"decays the weights decoupled .*decouple_wd=True"):
+        cbopt.optim.Adam(m.parameters(), weight_decay=0.1).load_state_dict(adamw.state_dict())
+    cbopt.Adam(m.parameters()).load_state_dict(_stepped(torch.optim.Adam(m.parameters()), m).state_dict())  # wd=0
 
 
 def error_inputs():

@@ -83,6 +83,27 @@ def test_torch_state_continues_in_cbopt(c: Case, form):
     continue_both(topt, theirs, opt, ours, start=20, tol=c.torch_parity.of(torch.float32))
 
 
+NO_STEP_COUNT = ('rmsprop-l2',)  # fastai's RMSProp counts no steps, which torch.optim.RMSprop's state must have
+
+
+@pytest.mark.parametrize('c', WITH_TORCH, ids=str)
+def test_cbopt_state_continues_in_torch(c: Case):
+    """The reverse: 20 steps of cbopt, `state_dict(format=<its torch twin's class>)` (through weights_only) into the
+    torch.optim twin, 20 more steps: as cbopt's next 20. A chain whose state torch's class cannot hold is refused."""
+    theirs, ours = make_model(), make_model()
+    opt = c.build(TORCH_PARAMS['param_names'](ours), 1e-3)
+    train(opt, ours, 20)
+    theirs.load_state_dict(ours.state_dict())
+    topt = c.torch(TORCH_PARAMS['param_names'](theirs), 3e-2)
+    if c.id in NO_STEP_COUNT:
+        with pytest.raises(ValueError, match=r"has no step count, which torch.optim.RMSprop's state must have"):
+            opt.state_dict(format=type(topt))
+        return
+    topt.load_state_dict(save_load(opt.state_dict(format=type(topt))))
+    assert [g['lr'] for g in topt.param_groups] == [g['lr'] for g in opt.param_groups]
+    continue_both(opt, ours, topt, theirs, start=20, tol=c.torch_parity.of(torch.float32))
+
+
 @pytest.mark.parametrize('c', WITH_FASTAI, ids=str)
 def test_fastai_state_continues_in_cbopt(c: Case):
     """The README: `load_state_dict` reads fastai's state_dicts. 20 steps of fastai's optimizer, its state_dict

@@ -236,7 +236,7 @@ def torch_adam(steps: int = 2, **kw) -> tuple[torch.optim.Optimizer, nn.Module]:
 
 def test_torch_state_dict_is_renamed() -> None:
     "torch's ids become FQNs, exp_avg/exp_avg_sq become grad_avg/sqr_avg, betas mom/sqr_mom, a tensor step an int."
-    t, m = torch_adam(lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6)
+    t, m = torch_adam(lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6, decoupled_weight_decay=True)  # AdamW's
     opt = adam(steps=0)
     ck = read_checkpoint(t.state_dict())
     assert ck.origin == 'torch' and [s.name for s in ck.params] == [None] * 4

@@ -17,7 +17,7 @@ import torch
 from torch import nn, optim
 
 import cbopt
-from cbopt.state.formats import TORCH_STATE_KEYS
+from cbopt.state.formats import torch_state_names
 from cbopt.torch_optimizers import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
 import torch.nn.functional as F
 from conftest import assert_rel_close, make_model, set_grads, train
@@ -86,10 +86,11 @@ def torch_run(name: str, steps: int = STEPS):
 def assert_state_close(ours, ref, model) -> None:
     """Every state entry torch keeps that cbopt keeps too (under its cbopt name) is within TOL of torch's, relative to
     its own scale; step counts equal. torch's ASGD `eta` and `mu` are not kept (computed from the step)."""
+    chains = {p: g['cbs'] for g in ours.param_groups for p in g['params']}
     for i, p in enumerate(model.parameters()):
         theirs, mine = ref.state_dict()['state'][i], ours.state[p]
         for k, v in theirs.items():
-            k = TORCH_STATE_KEYS.get(k, k)
+            k = torch_state_names(chains[p]).get(k, k)
             if k not in mine:
                 assert k in ('step', 'eta', 'mu'), f"torch state {k!r} has no cbopt counterpart"
                 continue
@@ -165,6 +166,25 @@ def test_torch_state_dict_loads_and_continues(name):
     train(ref_opt, ref, 20, start=20)
     train(opt, model, 20, start=20)
     assert_rel_close(model, ref, rtol=TOL, msg=f'{name} resumed from torch:', **PER_TENSOR)
+    assert_state_close(opt, ref_opt, model)
+
+
+@pytest.mark.parametrize('name', CASES)
+def test_cbopt_state_dict_continues_in_torch(name):
+    """The reverse: the twin's `state_dict(format=<torch class>)` after 20 steps (through weights_only) loads into
+    torch's class, which goes on as the twin does."""
+    model = make_model()
+    opt = CASES[name][0](model.named_parameters(), backend='loop')
+    train(opt, model, 20)
+    ref = copy.deepcopy(model)
+    ref_opt = CASES[name][1](ref.parameters())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(format=type(ref_opt)), buf)
+    buf.seek(0)
+    ref_opt.load_state_dict(torch.load(buf, weights_only=True))
+    train(ref_opt, ref, 20, start=20)
+    train(opt, model, 20, start=20)
+    assert_rel_close(ref, model, rtol=TOL, msg=f'{name} resumed in torch:', **PER_TENSOR)
     assert_state_close(opt, ref_opt, model)
 
 
@@ -462,6 +482,21 @@ def test_muon_follows_torch(name, maximize):
     assert_state_close(loop_opt, ref_opt, loop)
     assert_same(each, loop)
     for p, q in zip(loop.parameters(), matrices_model().parameters()): assert (p - q).abs().max() > 1e-2 * q.abs().max()
+
+
+@pytest.mark.parametrize('name', MUON)
+def test_muon_state_dict_continues_in_torch(name):
+    "cbopt.Muon's `state_dict(format=torch.optim.Muon)` loads into a default torch Muon, which goes on as cbopt's."
+    ours, _ = MUON[name]
+    model = matrices_model()
+    opt = Muon(list(model.parameters()), **ours, backend='loop')
+    train(opt, model, 20)
+    ref = copy.deepcopy(model)
+    ref_opt = optim.Muon(ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict(format=optim.Muon)))
+    train(ref_opt, ref, 20, start=20)
+    train(opt, model, 20, start=20)
+    assert_rel_close(ref, model, rtol=TOL, **PER_TENSOR)
 
 
 @pytest.mark.parametrize('name', MUON)

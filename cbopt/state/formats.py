@@ -10,28 +10,29 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..chain import chain_name, unwrap
+from ..chain import chain_name, chain_reads, unwrap
 from .flags import split_flags
 
-__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_STATE_KEYS', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
-           'TORCH_CHAIN_FLAGS', 'torch_hyper_names', 'torch_state_names', 'torch_state']
+__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
+           'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
+           'chain_flags', 'torch_state']
 
-# torch.optim's names for the same state and hypers (SGD, Adam/AdamW, RMSprop, RAdam)
-TORCH_STATE_KEYS = {'exp_avg': 'grad_avg', 'exp_avg_sq': 'sqr_avg', 'momentum_buffer': 'grad_avg', 'square_avg': 'sqr_avg',
-                    'sum': 'sqr_sum', 'acc_delta': 'delta_sqr_avg', 'exp_inf': 'inf_norm', 'ax': 'param_avg',
-                    'prev': 'prev_grad',  # Adagrad, Adadelta, Adamax, ASGD, Rprop (cbopt.torch_optimizers)
-                    'max_exp_avg_sq': 'max_sqr_avg'}  # Adam's amsgrad
 # torch's group entries -> cbopt's hypers (a tuple of torch's, as `betas`, spreads over several); a callback whose
-# torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's)
+# torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's). torch's
+# state names are declared by the callbacks that create or read each entry, `cb.torch_state` (`cbopt.chain`): one
+# cbopt entry has different torch names in different algorithms (`grad_avg` is Adam's `exp_avg`, SGD's `momentum_buffer`)
 TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'betas': ('mom', 'sqr_mom'), 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
-                    'dampening': 'dampening', 'nesterov': 'nesterov', 'initial_lr': 'initial_lr',
+                    'dampening': 'dampening', 'initial_lr': 'initial_lr',
                     'lr_decay': 'lr_decay', 'rho': 'sqr_mom', 'momentum_decay': 'momentum_decay', 'lambd': 'lambd',
                     't0': 't0', 'initial_accumulator_value': 'initial_accumulator_value'}  # Adagrad, Adadelta, NAdam, ASGD
 # torch's flags that choose the algorithm, which cbopt chooses by listing a callback: the callback declaring
-# `cb.torch_flag = 'amsgrad'` is in the chain exactly when torch's group says amsgrad=True
-TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize')
-TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm (RMSprop too); cbopt only where the math uses it
+# `cb.torch_flag = 'amsgrad'` is in the chain exactly when torch's group says amsgrad=True (a chain that reads the
+# name as a hyper takes it as one: Muon's `nesterov`)
+TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize', 'nesterov', 'centered', 'decoupled_weight_decay')
+TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm but SGD and Muon; cbopt where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
+TORCH_DECOUPLED = ('AdamW', 'Adafactor', 'Muon')  # torch's classes whose weight_decay is decoupled with no flag saying so
+TORCH_STEPLESS = ('SGD', 'Muon')  # torch's classes that keep no step count (every other one's state must have one)
 
 
 def torch_hyper_names(cbs) -> dict:
@@ -42,20 +43,38 @@ def torch_hyper_names(cbs) -> dict:
 
 
 def torch_state_names(cbs) -> dict:
-    "torch's state names -> cbopt's for the chain `cbs`: the common table, and what its callbacks declare (`cb.torch_state`)."
-    names = dict(TORCH_STATE_KEYS)
+    "torch's state names -> cbopt's for the chain `cbs`, as its callbacks declare them (`cb.torch_state`)."
+    names = {}
     for cb in cbs: names.update(getattr(unwrap(cb), 'torch_state', None) or {})
     return names
 
 
+def chain_flags(cbs) -> set:
+    "The torch flags (`TORCH_CHAIN_FLAGS`) the chain `cbs` runs as True: those its callbacks declare (`cb.torch_flag`)."
+    return {f for cb in cbs if (f := getattr(unwrap(cb), 'torch_flag', None)) is not None}
+
+
+def _decay_kind(decoupled: bool) -> str:
+    return "decoupled (AdamW's: the param shrinks by lr * weight_decay)" if decoupled else \
+        "by L2 (weight_decay * param added to the grad)"
+
+
 def _check_flags(i: int, g: Mapping, cbs) -> None:
-    "A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm."
+    """A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm.
+    `decoupled_weight_decay` (torch's Adam, AdamW, RAdam, NAdam save it) matters only with a nonzero weight_decay."""
+    ours, reads = chain_flags(cbs), chain_reads(cbs)
     for flag in TORCH_CHAIN_FLAGS:
-        if flag not in g: continue
-        ours = any(getattr(unwrap(cb), 'torch_flag', None) == flag for cb in cbs)
-        if bool(g[flag]) != ours:
-            raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
-                             f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={ours}: build it with {flag}={bool(g[flag])}")
+        if flag not in g or flag in reads or bool(g[flag]) == (flag in ours): continue
+        if flag == 'decoupled_weight_decay':
+            wd = g.get('weight_decay', 0)
+            if not float(wd): continue  # no decay: the same numbers either way
+            raise ValueError(f"param group {i} of the torch.optim state_dict decays the weights {_decay_kind(g[flag])}, "
+                             f"weight_decay={wd}, but this optimizer's chain [{chain_name(cbs)}] does not: loading it "
+                             f"would change what weight_decay means. Build the optimizer with decouple_wd={bool(g[flag])} "
+                             f"(cbopt.optim.{'AdamW' if g[flag] else 'Adam'} for torch's class), or set the group's "
+                             f"weight_decay to 0 in the state_dict")
+        raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
+                         f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={flag in ours}: build it with {flag}={bool(g[flag])}")
 
 
 class Saved(NamedTuple):
