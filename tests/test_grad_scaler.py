@@ -119,3 +119,16 @@ def test_whole_model_callbacks_see_unscaled_grads():
             assert_same_params(m, ref_m, f'step {i}')  # the same ops in the same order
         runs.append(m)
     assert_same_params(*runs)
+
+
+def test_torchs_kernel_stores_the_divided_grads():
+    """Why `clip_grad_norm`'s coefficient is not handed to torch's kernel as its `grad_scale` (1 / coefficient): the
+    kernel stores the divided grads back into the grads it is given (ATen's CPU kernel, `FusedAdamKernel.cpp`), which
+    is right for GradScaler's scale but would clip the user's `p.grad` (the grad contract). If this fails, torch
+    changed, and the clipped fused step can drop its scaled copies (`cbopt.engine.kernels._scaled_slices`)."""
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(100, generator=g), torch.randn(100, generator=g)
+    given, m, v = grad.clone(), torch.zeros(100), torch.zeros(100)
+    torch._fused_adamw_([p], [grad], [m], [v], [], [torch.tensor(1.)], lr=1e-3, beta1=0.9, beta2=0.999,
+                        weight_decay=0., eps=1e-8, amsgrad=False, maximize=False, grad_scale=torch.tensor(4.))
+    assert torch.equal(grad, given / 4)
