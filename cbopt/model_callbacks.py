@@ -17,6 +17,7 @@ import math
 import torch
 
 from .chain import zeros
+from .dtensor import any_across_shards, global_value, layout_key, local
 from .warmup import WarmupSchedule
 
 __all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
@@ -40,11 +41,21 @@ def _torch_order(params: list) -> list:
 
 def total_grad_norm(params: list, norm_type: float) -> torch.Tensor:
     """The norm of all grads as one vector, as `torch.nn.utils.clip_grad_norm_` computes it: one foreach norm per
-    bucket, then the norm of their stack (so the same numbers, bit for bit)."""
+    bucket, then the norm of their stack (so the same numbers, bit for bit).
+
+    Across ranks (FSDP2's DTensor grads), torchrec's rule: a sharded grad's norm is reduced over the ranks holding its
+    shards (DTensor's own reduction of a partial norm, as `clip_grad_norm_` gets it), a replicated one (a plain
+    tensor, or a `Replicate` DTensor) counts once. Grads of each layout (plain, or a DTensor mesh and placements) are
+    reduced apart, then combined; the result is a plain tensor, the same on every rank."""
     if not params: return torch.tensor(0.0)
     first = params[0][0].device  # each bucket's norms stacked, then moved, at once: no Python step per param
-    norms = [torch.stack(torch.linalg.vector_norm(tl.grad, norm_type)).to(first) for tl in _torch_order(params)]
-    return torch.linalg.vector_norm(torch.cat(norms) if len(norms) > 1 else norms[0], norm_type)
+    by_layout: dict = {}
+    for tl in _torch_order(params):
+        norms = torch.stack(torch.linalg.vector_norm(tl.grad, norm_type)).to(first)
+        by_layout.setdefault(layout_key(tl.grad[0]), []).append(norms)
+    totals = [global_value(torch.linalg.vector_norm(torch.cat(ns) if len(ns) > 1 else ns[0], norm_type))
+              for ns in by_layout.values()]
+    return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals), norm_type)
 
 
 def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):
@@ -79,11 +90,19 @@ clip_grad_value.defaults = dict(clip_value=1.0)
 clip_grad_value.state = {}
 
 
+def _any_nonfinite(tl) -> bool:
+    """Whether a grad of the bucket `tl` holds an inf or NaN, on any rank: each rank tests its shards (the max |g|
+    of each, inf or NaN if any element is), then one all-reduce for sharded grads, so every rank skips alike."""
+    shards = [g for g in map(local, tl.grad) if g.numel()]  # (a rank's shard of a small param may be empty)
+    bad = torch.zeros((), dtype=torch.bool, device=tl.grad[0].device)
+    if shards: bad = ~torch.isfinite(torch.stack(torch._foreach_norm(shards, math.inf))).all()
+    return bool(any_across_shards(bad, tl.grad[0]))
+
+
 def skip_nonfinite(params, max_consecutive=None, skipped_total=0, skipped_consecutive=0, **kwargs):
     """Skip a step whose grads hold an inf or NaN: no param and no state changes, but these counts. More than
     `max_consecutive` skips in a row (None: no limit) raise instead: training has diverged."""
-    maxes = [n for tl in params for n in torch.linalg.vector_norm(tl.grad, math.inf)]  # the max |g|: inf or NaN if any is
-    finite = not maxes or bool(torch.isfinite(torch.stack([m.to(maxes[0].device) for m in maxes])).all())
+    finite = not any([_any_nonfinite(tl) for tl in params])  # (every bucket, so every rank makes the same collectives)
     if finite: return {'skipped_consecutive': 0}
     if max_consecutive is not None and skipped_consecutive >= max_consecutive:
         raise FloatingPointError(f"skip_nonfinite: the grads held an inf or NaN at {skipped_consecutive + 1} steps in a "

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .dtensor import is_dtensor
+
 __all__ = ['TensorList', 'BucketError']
 
 
@@ -217,7 +219,9 @@ class TensorList(list):
     def clamp_max(self, v): return self._op('clamp_max', v, False)
 
     def copy_(self, src):
-        torch._foreach_copy_(list(self), self._each(src))
+        "Tensor.copy_ of each; per tensor for DTensors (sharded params), which have no `_foreach_copy_`."
+        if any(is_dtensor(t) for t in self): _zip_call(torch.Tensor.copy_, (self, src), {})
+        else: torch._foreach_copy_(list(self), self._each(src))
         return self
     def zero_(self):
         torch._foreach_zero_(list(self))

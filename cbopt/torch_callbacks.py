@@ -15,6 +15,7 @@ import torch
 
 from .callbacks import debias, rms_prop_step
 from .chain import declared_for, per_tensor, zeros
+from .dtensor import on_whole
 
 __all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
            'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'muon_momentum', 'newton_schulz',
@@ -235,9 +236,10 @@ def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
 
 def muon_step(p, lr, muon_update, ns_a, ns_b, ns_c, ns_steps, eps, adjust_lr_fn, **kwargs):
     """Muon step: the orthogonalized update (`newton_schulz` with torch's `ns_coefficients` as `ns_a`, `ns_b`, `ns_c`),
-    at the lr adjusted to the matrix's shape. Both depend on each param's shape: run per param, also in a bucket."""
+    at the lr adjusted to the matrix's shape. Both depend on each param's shape: run per param, also in a bucket. A
+    matrix sharded across ranks (FSDP2) is orthogonalized whole, gathered on every rank, each keeping its shard."""
     def step(w, u):  # in w's dtype before the lr scales it (as torch's add_ does, also when compiled)
-        o = newton_schulz(u, ns_a, ns_b, ns_c, ns_steps, eps).to(w.dtype)
+        o = on_whole(lambda x: newton_schulz(x, ns_a, ns_b, ns_c, ns_steps, eps).to(w.dtype), u)
         return w.add_(o, alpha=-_adjusted_lr(lr, adjust_lr_fn, w.shape))
     per_tensor(step, p.data, muon_update)
 muon_step.defaults = dict(ns_a=3.4445, ns_b=-4.775, ns_c=2.0315, ns_steps=5, eps=1e-7, adjust_lr_fn=None)

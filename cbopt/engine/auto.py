@@ -4,7 +4,9 @@
 3. on CPU, foreach or loop, whichever was faster over `auto_trials` timed steps each of this bucket layout.
    Measured here (1 thread, README benchmark): on many small params foreach is ~1.9x faster (less Python per
    param); on GPT-2's large params the two are within ~10% either way, as both are memory-bound, and which wins
-   depends on the chain. Both are exact, so trying each costs nothing in results.
+   depends on the chain. Both are exact, so trying each costs nothing in results. Params sharded as DTensors
+   (FSDP2) run foreach, as on an accelerator: a choice by timing could differ between ranks, and a chain reducing
+   across ranks (a norm) must make its collectives in the same order on every rank.
 The compiled chain is never picked: its first compile costs seconds to a minute; ask for `backend='fused'`.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from ..dtensor import is_dtensor
 from .buckets import Bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
@@ -32,7 +35,7 @@ def choose(opt, b: Bucket) -> str:
 def auto_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     "Step `b` with the runner the policy above picks, timing it while trials remain."
     if (kernel := torch_kernel(b, hyper)) is not None: return kernel()
-    if b.params[0].device.type != 'cpu': return foreach_bucket(opt, b, hyper)
+    if b.params[0].device.type != 'cpu' or is_dtensor(b.params[0]): return foreach_bucket(opt, b, hyper)
     layout, name = b.layout, choose(opt, b)
     times = runtime(opt).auto_times[layout][name]
     if len(times) >= opt.backend_options.auto_trials: return RUNNERS[name](opt, b, hyper)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..chain import chain_scope, param_chain
+from ..dtensor import layout_key
 from ..tensorlist import TensorList
 
 __all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
@@ -49,7 +50,7 @@ def grad_is_odd(p) -> bool:
 
 def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
     """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
-    rank, for a chain that reduces over whole params).
+    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors).
     `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
     out, state = {}, opt.state
     for gi, g in enumerate(opt.param_groups):
@@ -58,7 +59,7 @@ def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
             if p.grad is None: continue
             if on_odd_grad is not None and grad_is_odd(p): on_odd_grad(opt)
             st = state[p]
-            key = (gi, p.device, p.dtype, _state_key(st), p.ndim if by_rank else None)
+            key = (gi, p.device, p.dtype, layout_key(p), _state_key(st), p.ndim if by_rank else None)
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
             if b is None: b = out[key] = Bucket(g, [], [])
@@ -111,13 +112,13 @@ def cache_chunks(b: Bucket, chunk_bytes: int) -> list[Bucket]:
 
 def model_buckets(opt, groups: list) -> list[tuple[TensorList, list]]:
     """The params with a grad of `groups`, for a whole-model callback: one `TensorList` (with `.grad`) per (device,
-    param dtype, grad dtype), in the order the params are listed (torch's `clip_grad_norm_` groups its grads the same
-    way), each with the params' own state dicts."""
+    param dtype, grad dtype, and the grads' mesh and placements if they are DTensors), in the order the params are
+    listed (torch's `clip_grad_norm_` groups its grads the same way), each with the params' own state dicts."""
     out: dict = {}
     for g in groups:
         for p in g['params']:
             if p.grad is None: continue
-            ps, states = out.setdefault((p.device, p.dtype, p.grad.dtype), ([], []))
+            ps, states = out.setdefault((p.device, p.dtype, p.grad.dtype, layout_key(p.grad)), ([], []))
             ps.append(p)
             states.append(opt.state[p])
     res = []

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..chain import chain_sig, run_chain, transient_keys
+from ..chain import chain_scope, chain_sig, run_chain, transient_keys
+from ..dtensor import as_like, is_dtensor, local, local_param
 from .buckets import Bucket
 from .foreach import foreach_bucket
 from .runtime import runtime, warn_once
@@ -101,19 +102,21 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     """Step `b` with the compiled chain, in chunks of params of the same shape (`shape_chunks`). Compilation traces
     the chain before running anything, so a chain that cannot compile raises before its first chunk is touched."""
     options = opt.backend_options
+    on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     chunks = shape_chunks([p.shape for p in b.params], options.compile_chunk)
     hyper = dict(hyper)
     with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # nn.Parameters get dynamic shapes too
         for j, idx in enumerate(chunks):
-            tstates = [{k: v for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
+            tstates = [{k: local(v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
+            params = [local_param(b.params[i]) if on_shards else b.params[i] for i in idx]
             fn = compiled_chain(b.cbs, options.compiler, b, idx)
-            try: new_t, new_py = fn([b.params[i] for i in idx], tstates, pystate, hyper)
+            try: new_t, new_py = fn(params, tstates, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
                 rest = [i for c in chunks[j:] for i in c]
                 raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
-            for i, nt in zip(idx, new_t):
-                b.states[i].update(nt)
+            for i, nt in zip(idx, new_t):  # (a rebound entry of a shard becomes a DTensor again, as the entry was)
+                b.states[i].update({k: as_like(v, b.states[i].get(k, b.params[i])) for k, v in nt.items()})
                 b.states[i].update(new_py)
 
 
@@ -121,6 +124,8 @@ def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     """One pass over `b` with the compiled chain, once a first eager (foreach) step of this layout has created the
     state; foreach (warning once) if the chain does not compile."""
     rt, layout = runtime(opt), b.layout
+    if is_dtensor(b.params[0]) and chain_scope(b.cbs) != 'element':
+        return foreach_bucket(opt, b, hyper)  # (not compiled: see the module docstring)
     if layout in rt.no_compile or layout not in rt.seen:
         ran_bucketwise = foreach_bucket(opt, b, hyper)
         rt.seen.add(layout)

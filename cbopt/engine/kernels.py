@@ -16,6 +16,7 @@ import torch
 
 from ..chain import chain_sig
 from ..hypers import is_model_entry
+from ..dtensor import local
 from .buckets import Bucket
 
 __all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'fused_adamw']
@@ -51,15 +52,17 @@ SCALE_CHUNK = 1 << 20  # elements of scaled grads made just before the kernel re
 def _scaled_slices(b: Bucket, scale: torch.Tensor, keys: tuple[str, ...]):
     """`b`'s params, grads times `scale` and state `keys`, as flat slices in runs of at most `SCALE_CHUNK` elements
     (a large param is cut, a small one joins others): each run's scaled grads are written into one reused buffer, so
-    the kernel reads them from cache and the grads themselves are read once and never written (the grad contract)."""
+    the kernel reads them from cache and the grads themselves are read once and never written (the grad contract).
+    Params sharded as DTensors are sliced as this rank's shards, plain tensors: the kernel is elementwise."""
     p0 = b.params[0]
-    buf = torch.empty(min(SCALE_CHUNK, sum(p.numel() for p in b.params)), dtype=p0.dtype, device=p0.device)
+    sizes = [local(p).numel() for p in b.params]  # (of this rank's shards, for params sharded as DTensors)
+    buf = torch.empty(min(SCALE_CHUNK, sum(sizes)), dtype=p0.dtype, device=p0.device)
     scale = scale.to(device=p0.device, dtype=p0.dtype)
     run, used = ([], [], *([] for _ in keys)), 0
-    for p, st in zip(b.params, b.states):
-        flats = (p.view(-1), p.grad.view(-1), *(st[k].view(-1) for k in keys))
-        for a in range(0, p.numel(), SCALE_CHUNK):
-            n = min(SCALE_CHUNK, p.numel() - a)
+    for p, st, size in zip(b.params, b.states, sizes):
+        flats = tuple(local(t).view(-1) for t in (p, p.grad, *(st[k] for k in keys)))
+        for a in range(0, size, SCALE_CHUNK):
+            n = min(SCALE_CHUNK, size - a)
             if used + n > len(buf):
                 yield run
                 run, used = ([], [], *([] for _ in keys)), 0

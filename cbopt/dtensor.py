@@ -1,0 +1,81 @@
+"""Params sharded by FSDP2 (`fully_shard`): `DTensor`s, each rank holding a shard. What the rest of cbopt needs to know
+about them, in one place.
+
+Elementwise math on a DTensor is the same math on each shard, and DTensor's own ops run it. A reduction over a whole
+tensor (a norm, a mean) gives a partial DTensor that the next tensor op reduces across ranks, but `.item()` and
+`float()` read the local, rank-dependent part: so cbopt never reads a Python number of one. What needs the whole
+tensor (Muon's Newton-Schulz) gathers it (`on_whole`). Where torch's kernels take plain tensors only (its fused AdamW
+kernel in slices, a compiled elementwise chain), they run on each rank's shard (`local`).
+
+This module imports nothing from cbopt, and imports `torch.distributed.tensor` only if the user has: without it no
+DTensor exists.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+__all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'any_across_shards']
+
+
+def _dtensor_module():
+    return sys.modules.get('torch.distributed.tensor')
+
+
+def is_dtensor(t) -> bool:
+    "Whether `t` is a DTensor (a param sharded by FSDP2, its grad or its state)."
+    mod = _dtensor_module()
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local(t):
+    "This rank's shard of a DTensor (sharing its memory: writes reach the DTensor); any other value as it is."
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_param(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the DTensor param `p` as a plain tensor sharing its memory, with its grad's shard as
+    `.grad`: a stand-in that an elementwise chain steps exactly as it would step `p`."""
+    q = p.to_local().detach()
+    q.grad = p.grad.to_local().detach()
+    return q
+
+
+def layout_key(t) -> tuple | None:
+    """What tensors of one foreach call must share beside device and dtype: a DTensor's mesh and placements (foreach
+    kernels refuse a list mixing DTensors with plain tensors); None for a plain tensor."""
+    return (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None
+
+
+def as_like(shard: torch.Tensor, like) -> torch.Tensor:
+    "`shard` (a plain tensor of this rank) as a DTensor laid out as `like`; unchanged where `like` is not a DTensor."
+    if not is_dtensor(like): return shard
+    return _dtensor_module().DTensor.from_local(shard, like.device_mesh, like.placements, run_check=False,
+                                                shape=like.shape, stride=like.stride())
+
+
+def on_whole(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for a function that needs all of `x` at once (Muon's orthogonalisation): for a DTensor, `fn` of the whole
+    tensor, gathered on every rank, and the result laid out as `x` is (each rank keeping its own shard of it)."""
+    if not is_dtensor(x): return fn(x)
+    whole = fn(x.full_tensor())
+    return _dtensor_module().distribute_tensor(whole, x.device_mesh, x.placements, src_data_rank=None)
+
+
+def global_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the global value of `t`: a partial DTensor (a norm of a shard) reduced across ranks, so
+    `.item()` is the same on every rank; a plain tensor as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def any_across_shards(flag: torch.Tensor, like) -> torch.Tensor:
+    """Whether `flag` (a 0-d bool tensor computed from this rank's shard of `like`) holds on any rank: one all-reduce
+    over the ranks sharding `like`, so every rank decides the same. Counted as a sum: a max would let an all-reduce
+    drop a NaN."""
+    if not is_dtensor(like): return flag
+    from torch.distributed.tensor import Partial, Replicate
+    placements = [Replicate() if p.is_replicate() else Partial('sum') for p in like.placements]
+    count = _dtensor_module().DTensor.from_local(flag.to(torch.int32), like.device_mesh, placements, run_check=False)
+    return count.full_tensor() > 0

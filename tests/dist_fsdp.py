@@ -1,0 +1,121 @@
+"""Workers for the FSDP2 tests (`test_fsdp.py`), run on 2 gloo processes by `distributed.spawn`: each trains tiny models
+whose params are DTensors (`fully_shard`), each rank on its rows of the global batch, and returns the full tensors."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cbopt
+import distributed as D
+from cases import case
+
+
+def fsdp_model(shard_head: bool = True) -> nn.Module:
+    """`distributed.make_model` with each Linear sharded by FSDP2 (its params become `Shard(0)` DTensors: the 3-row head
+    splits 2 + 1, unevenly), and the root, as torchtitan wraps a model. `shard_head=False` leaves the head plain
+    (replicated, its grads averaged by hand as DDP would): a model mixing DTensor and plain params."""
+    from torch.distributed.fsdp import fully_shard
+    model = D.make_model()
+    fully_shard(model[0])
+    if shard_head:
+        fully_shard(model[2])
+        fully_shard(model)
+    return model
+
+
+def average_plain_grads(model: nn.Module) -> None:
+    "What DDP does for the params FSDP2 does not hold: average their grads over the ranks."
+    from cbopt.dtensor import is_dtensor
+    for p in model.parameters():
+        if p.grad is not None and not is_dtensor(p.grad):
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+def full(model: nn.Module) -> dict:
+    "Every param as a whole (plain) tensor, gathered from its shards."
+    return {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def backward(model: nn.Module, step: int, rank: int, world: int) -> None:
+    "This rank's share of the loss of global batch `step`: FSDP2 averages the grads into the global batch's."
+    x, y = D.batch(step)
+    nn.functional.mse_loss(model(x[rank::world]), y[rank::world]).backward()
+
+
+def train_cases(rank: int, world: int, ids: list, backends: list, steps: int, lr: float) -> dict:
+    """Each registry case with each backend, on a fresh FSDP2 model, `steps` steps; the full params, and the warnings
+    the steps gave (a chain that did not compile says so)."""
+    out = {}
+    for cid in ids:
+        for be in backends:
+            model = fsdp_model()
+            opt = case(cid).build(list(model.named_parameters()), lr, be)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                D.train(model, opt, steps, rank, world)
+            out[(cid, str(be))] = {'params': full(model), 'warnings': [str(w.message) for w in caught],
+                                   'dtensor_state': all(type(v).__name__ == 'DTensor' for s in opt.state.values()
+                                                        for v in s.values() if torch.is_tensor(v) and v.ndim)}
+    return out
+
+
+def clipping(rank: int, world: int, steps: int, max_norm: float, lr: float, nan_step: int) -> dict:
+    """Global-norm clipping on FSDP2 against torch's `clip_grad_norm_` + AdamW on the same sharded model, per norm type
+    and backend; clipping a model mixing sharded and plain params; `SkipNonFinite` when only this rank's shard of one
+    grad is NaN (rank 1's, at step `nan_step`)."""
+    out = {}
+    for norm_type in (2.0, float('inf')):
+        ref = fsdp_model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01)
+        ref_norms = []
+        for i in range(steps):
+            backward(ref, i, rank, world)
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type).full_tensor().item())
+            ref_opt.step()
+            ref_opt.zero_grad()
+        out[('torch', norm_type)] = {'params': full(ref), 'norms': ref_norms}
+        for be in ('loop', 'foreach', 'fused'):
+            model = fsdp_model()
+            opt = cbopt.GradientClippingOptimizer(cbopt.Adam(model.named_parameters(), lr=lr, backend=be),
+                                                  cbopt.GradientClipping.NORM, max_gradient=max_norm, norm_type=norm_type)
+            norms, grads_kept = [], True
+            for i in range(steps):
+                backward(model, i, rank, world)
+                before = [p.grad.to_local().clone() for p in model.parameters()]
+                opt.step()
+                grads_kept &= all(torch.equal(p.grad.to_local(), g) for p, g in zip(model.parameters(), before))
+                norms.append(opt.last_total_grad_norm)
+                opt.zero_grad()
+            out[(be, norm_type)] = {'params': full(model), 'norms': [n.item() for n in norms],
+                                    'plain_norms': all(type(n) is torch.Tensor for n in norms), 'grads_kept': grads_kept}
+    mixed = fsdp_model(shard_head=False)  # the body sharded, the head replicated: torchrec's two kinds at once
+    opt = cbopt.GradientClippingOptimizer(cbopt.Adam(mixed.named_parameters(), lr=lr),
+                                          cbopt.GradientClipping.NORM, max_gradient=max_norm)
+    norms = []
+    for i in range(steps):
+        backward(mixed, i, rank, world)
+        average_plain_grads(mixed)
+        opt.step()
+        norms.append(opt.last_total_grad_norm.item())
+        opt.zero_grad()
+    out['mixed'] = {'params': full(mixed), 'norms': norms}
+    out['skip'] = skip_a_nan_shard(rank, world, steps, lr, nan_step)
+    return out
+
+
+def skip_a_nan_shard(rank: int, world: int, steps: int, lr: float, nan_step: int) -> dict:
+    "`SkipNonFinite(cbopt.Adam)` on FSDP2, with a NaN in rank 1's shard of the head's weight grad at step `nan_step`."
+    model = fsdp_model()
+    opt = cbopt.SkipNonFinite(cbopt.Adam(model.named_parameters(), lr=lr))
+    skipped = []
+    for i in range(steps):
+        backward(model, i, rank, world)
+        if i == nan_step and rank == 1: model[2].weight.grad.to_local()[0, 0] = float('nan')
+        opt.step()
+        skipped.append(opt.step_stats['skipped'])
+        opt.zero_grad()
+    return {'params': full(model), 'skipped': skipped, 'total': opt.step_stats['skipped_total']}

@@ -1,0 +1,117 @@
+"""cbopt on FSDP2 (`fully_shard`: params, grads and state are DTensors), 2 gloo processes on CPU (`dist_fsdp.py`):
+every backend, over the registry's cases, equals one process on the global batch; callbacks reducing over a whole
+param (norms, Muon's orthogonalisation) are reduced or gathered across ranks; global-norm clipping equals torch's
+`clip_grad_norm_` on the same sharded model; a NaN in one rank's shard skips the step on every rank."""
+import pytest
+import torch
+
+import cbopt
+import dist_fsdp as F
+import distributed as D
+from cases import CASES, case
+
+STEPS = 5  # lookahead-sgd (k=5) syncs its slow weights once: a copy into DTensors
+LR = 3e-2
+ELEMENTWISE = [c.id for c in CASES if not c.tensor_scope]
+TENSOR_SCOPE = [c.id for c in CASES if c.tensor_scope]
+
+
+def assert_close_at_scale(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = 1e-6) -> None:
+    "Equal within `rtol` of the tensor's own scale."
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= rtol * scale, f"{what}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+def one_process(cid: str, backend, steps: int = STEPS) -> dict:
+    "The case trained in one process on the global batch, with the same backend."
+    model = D.make_model()
+    opt = case(cid).build(list(model.named_parameters()), LR, backend)
+    D.train(model, opt, steps)
+    return D.params(model)
+
+
+def check_cases(ids: list, backends: list, reference: dict | None = None) -> dict:
+    """Run the cases on FSDP2 and check both ranks' params against one process with the same backend (or the one
+    `reference` maps it to); the results of rank 0."""
+    ranks = D.spawn(F.train_cases, ids, backends, STEPS, LR)
+    for cid in ids:
+        for be in backends:
+            ref = one_process(cid, (reference or {}).get(be, be))
+            for r, res in enumerate(ranks):
+                got = res[(cid, str(be))]
+                assert got['dtensor_state'], f"{cid} {be}: its state is not sharded as its params"
+                for n, p in ref.items(): assert_close_at_scale(got['params'][n], p, f"{cid} {be} rank {r} {n}")
+    return ranks[0]
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_elementwise_cases_equal_one_process(backend):
+    "Every elementwise case of the registry, on sharded params, steps as one process on the global batch."
+    check_cases(ELEMENTWISE, [backend])
+
+
+def test_fused_kernel_compiled_and_auto_equal_one_process():
+    """`fused`: torch's AdamW kernel on DTensors, and an elementwise chain compiled on each rank's shards (without
+    falling back to foreach: no warning); `auto` on DTensors (foreach, alike on every rank)."""
+    aot = cbopt.Backend('fused', compiler='aot_eager')
+    kernels = [c.id for c in CASES if c.has_torch_kernel and not c.tensor_scope]
+    assert kernels == ['adam', 'adam-amsgrad', 'adam-maximize']
+    res = check_cases(kernels + ['sgd-mom', 'adan'], [aot, 'auto'])
+    for cid in ('sgd-mom', 'adan'):
+        assert not any('compiled' in w for w in res[(cid, str(aot))]['warnings']), res[(cid, str(aot))]['warnings']
+
+
+def test_tensor_scope_callbacks_reduce_across_ranks():
+    """Lamb's and Larc's norms, StableAdamW's RMS, Adafactor's factored moments and Muon's Newton-Schulz on sharded
+    params equal one process: reduced across ranks by DTensor's ops, or (Muon) computed on the gathered matrix. The
+    fused backend runs them with foreach on the DTensors (the README's rule), so foreach is its reference here."""
+    assert set(TENSOR_SCOPE) == {'larc', 'lars', 'lamb', 'adafactor', 'muon', 'stableadamw'}
+    check_cases(TENSOR_SCOPE, ['loop', 'foreach', 'fused'], reference={'fused': 'foreach'})
+
+
+MAX_NORM, NAN_STEP = 0.1, 2
+
+
+def test_clipping_and_skipping_across_ranks():
+    ranks = D.spawn(F.clipping, STEPS, MAX_NORM, 1e-2, NAN_STEP)
+    for norm_type in (2.0, float('inf')):
+        # one process: cbopt clipping on the global batch's grads
+        model = D.make_model()
+        opt = cbopt.GradientClippingOptimizer(cbopt.Adam(model.named_parameters(), lr=1e-2),
+                                              cbopt.GradientClipping.NORM, max_gradient=MAX_NORM, norm_type=norm_type)
+        norms = []
+        for i in range(STEPS):
+            D.train(model, opt, 1, start=i)
+            norms.append(opt.last_total_grad_norm.item())
+        assert min(norms) > 2 * MAX_NORM  # every step clips
+        for r, res in enumerate(ranks):
+            torch_ref = res[('torch', norm_type)]
+            torch.testing.assert_close(torch_ref['norms'], norms, rtol=1e-6, atol=0)
+            for be in ('loop', 'foreach', 'fused'):
+                got = res[(be, norm_type)]
+                assert got['plain_norms'] and got['grads_kept'], (be, norm_type)
+                torch.testing.assert_close(got['norms'], torch_ref['norms'], rtol=1e-6, atol=0)
+                for n, p in torch_ref['params'].items():
+                    assert_close_at_scale(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n}")
+                for n, p in D.params(model).items():
+                    assert_close_at_scale(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n} (one process)")
+    # sharded body and replicated head: the norm counts each once
+    model = D.make_model()
+    opt = cbopt.GradientClippingOptimizer(cbopt.Adam(model.named_parameters(), lr=1e-2), cbopt.GradientClipping.NORM,
+                                          max_gradient=MAX_NORM)
+    norms = []
+    for i in range(STEPS):
+        D.train(model, opt, 1, start=i)
+        norms.append(opt.last_total_grad_norm.item())
+    for r, res in enumerate(ranks):
+        torch.testing.assert_close(res['mixed']['norms'], norms, rtol=1e-6, atol=0)
+        for n, p in D.params(model).items(): assert_close_at_scale(res['mixed']['params'][n], p, f"mixed rank {r} {n}")
+    # a NaN in rank 1's shard only: both ranks skip that step, and the run equals one process without that batch
+    model = D.make_model()
+    opt = cbopt.Adam(model.named_parameters(), lr=1e-2)
+    for i in range(STEPS):
+        if i != NAN_STEP: D.train(model, opt, 1, start=i)
+    for r, res in enumerate(ranks):
+        skip = res['skip']
+        assert skip['skipped'] == [i == NAN_STEP for i in range(STEPS)] and skip['total'] == 1, (r, skip)
+        for n, p in D.params(model).items(): assert_close_at_scale(skip['params'][n], p, f"skip rank {r} {n}")
