@@ -128,6 +128,13 @@ class InBackward(Optimizer):
         if not self._stopped: self._register(self.params)
 
     # -- the torch.optim.Optimizer API -------------------------------------------------------------------------
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        "`torch.amp.GradScaler.step` asks this first: refuse it clearly, since the params stepped on scaled grads."
+        raise TypeError("InBackward steps each param during backward, on its grad as backward computed it (scaled by "
+                        "torch.amp.GradScaler), before the scaler can unscale it or check it for infs: use the scaler "
+                        "with the wrapped optimizer instead, or a dtype that needs no scaler (bfloat16)")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Run `closure` (its backward steps the params), then step the params that still hold a grad: only those

@@ -132,3 +132,11 @@ def test_torchs_kernel_stores_the_divided_grads():
     torch._fused_adamw_([p], [grad], [m], [v], [], [torch.tensor(1.)], lr=1e-3, beta1=0.9, beta2=0.999,
                         weight_decay=0., eps=1e-8, amsgrad=False, maximize=False, grad_scale=torch.tensor(4.))
     assert torch.equal(grad, given / 4)
+
+
+def test_in_backward_refuses_the_scaler():
+    "InBackward steps in backward, on the scaled grads, before the scaler can act: scaler.step says so."
+    m = make_model()
+    inb, sc = cbopt.InBackward(cbopt.Adam(m.parameters(), lr=0.01)), scaler()
+    sc.scale(batch_loss(m, 0)).backward()
+    with pytest.raises(TypeError, match='InBackward steps each param during backward.*GradScaler'): sc.step(inb)
