@@ -42,8 +42,9 @@ them (`split_chain`). Its declarations:
 - `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
 - returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
   returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);
-  returning `grad_scale=t` (a 0-d tensor) multiplies every grad the rest of the step sees by `t` without a pass of
-  its own: torch's fused kernel folds it into its step, other runners get scaled copies (clip_grad_norm's coefficient).
+  returning `grad_scale=t` (a 0-d tensor) multiplies every grad the rest of the step sees by `t`, never writing the
+  user's grads: under torch's fused kernel each cache-sized run of grads is scaled into a buffer just before the
+  kernel reads it, other runners get scaled copies (clip_grad_norm's coefficient).
 
 This module imports nothing from cbopt: every other module may import it.
 """

@@ -63,8 +63,8 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):
     the pre-clip `grad_norm` is reported (`opt.step_stats['grad_norm']`, `opt.last_total_grad_norm`)."""
     total = total_grad_norm(params, float(norm_type))
     if not params: return {'grad_norm': total}
-    # the engine multiplies the grads by it where the step reads them (torch's fused kernel: in its own pass), so
-    # clipping costs the norm's pass only, and the user's grads stay as they are
+    # the engine multiplies the grads by it where the step reads them (torch's fused kernel: cache-sized scaled runs
+    # just before the kernel reads them), so the user's grads stay as they are
     return {'grad_norm': total, 'grad_scale': torch.clamp(max_norm / (total + 1e-6), max=1.0)}
 clip_grad_norm.scope = 'model'
 clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0)  # fastai's GradientClip defaults
