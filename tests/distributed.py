@@ -274,3 +274,9 @@ def dcp_load_ddp(rank: int, world: int, path: str, steps: int, more: int) -> dic
     loaded = {'params': params(ddp.module), 'state': opt.named_state_dict()}
     train(ddp, opt, more, rank, world, start=steps)
     return {**loaded, 'final': params(ddp.module)}
+
+
+def state_bytes_per_rank(rank: int, world: int, shapes) -> dict:
+    "The bench's memory part on this rank: the bytes of the state cbopt.Adam holds here under DDP, ZeRO and FSDP2."
+    from cbopt.cli.bench_memory import measure_rank
+    return measure_rank(shapes)

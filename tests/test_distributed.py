@@ -158,3 +158,23 @@ def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path):
         for n, p in D.params(model).items():
             assert_close_at_scale(r['final'][n], p, f'uninterrupted {n}')
             assert torch.equal(r['final'][n], ranks[0]['final'][n]), n
+
+
+def test_bench_state_bytes_per_rank_are_the_state_each_mode_keeps():
+    """`python -m cbopt bench --only memory` counts what each rank holds after a cbopt.Adam step: under DDP both fp32
+    moments of every param, under ZeRO those of the params it owns (together: every param once), under FSDP2 those of
+    its dim-0 shard of every param (torch.chunk's split)."""
+    from math import prod
+    from cbopt.cli.bench import param_sets
+    shapes = param_sets(True)['gpt2']
+    ranks = D.spawn(D.state_bytes_per_rank, shapes)
+    moments = 2 * 4  # grad_avg and sqr_avg, fp32; the step count is a Python number
+    full = moments * sum(prod(s) for _, s in shapes)
+    assert [r['DDP'] for r in ranks] == [full] * D.WORLD
+    zero = [r['ZeRO'] for r in ranks]
+    assert sum(zero) == full and 0 < min(zero) and max(zero) < full
+    def shard_rows(rows: int, rank: int) -> int:
+        chunk = -(-rows // D.WORLD)
+        return max(0, min(chunk, rows - rank * chunk))
+    assert [r['FSDP2'] for r in ranks] == [moments * sum(shard_rows(s[0], r) * prod(s[1:]) for _, s in shapes)
+                                           for r in range(D.WORLD)]

@@ -17,6 +17,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
    AdamW after `clip_grad_norm_(foreach=True)`, and against cbopt's own fused step without clipping.
 8. `InBackward` on a model of GPT-2-small's shapes (tied and untied embeddings): the peak memory of forward + backward
    + step against the normal step (each in a fresh subprocess), and the time of both, interleaved.
+9. The optimizer state each rank holds under DDP, ZeRO and FSDP2, on 2 gloo processes, on the GPT-2 set
+   (`cbopt/cli/bench_memory.py`; bytes, not timed).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 import cbopt
+from .bench_memory import memory_rows, state_memory
 
 __all__ = ['gpt2_shapes', 'grid_shapes', 'make_params', 'lion_step', 'lion_avg', 'available_backends', 'measure', 'main']
 
@@ -565,6 +568,12 @@ def report(results: dict) -> str:
     if 'in_backward' in results:
         out.append(f"**InBackward: forward + backward + step** (cbopt.Adam, torch's kernel; one sequence of {TOKENS} "
                    f"tokens)\n\n{table(*in_backward_rows(results['in_backward']))}")
+    if 'memory' in results:
+        res = results['memory']
+        note = f"\n\nFAILED: {res['error']}" if res.get('error') else ''
+        out.append(f"**Optimizer state per rank** (cbopt.Adam, {res['world']} gloo processes; {res['tensors']:,} tensors, "
+                   f"{res['numel']:,} params, {res['param_bytes'] / 1e6:.1f} MB of fp32 params)\n\n"
+                   f"{table(*memory_rows(res))}{note}")
     return '\n\n'.join(out)
 
 
@@ -630,7 +639,7 @@ def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dic
             'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
 
 
-PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward')
+PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward', 'memory')
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -643,7 +652,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
     parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
-                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8)")
+                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9)")
     args = parser.parse_args(argv)
     args.only = [p.strip() for p in args.only.split(',') if p.strip()]
     if unknown := [p for p in args.only if p not in PARTS]: parser.error(f"unknown part(s) {unknown}: expected {PARTS}")
@@ -699,6 +708,9 @@ def run(args: argparse.Namespace) -> dict:
     if 'in_backward' in todo:
         progress.set('InBackward')
         parts['in_backward'] = in_backward_case(args.quick, rounds, warmup, progress)
+    if 'memory' in todo:
+        progress.set('state per rank: DDP, ZeRO, FSDP2')
+        parts['memory'] = state_memory(sets['gpt2'])
     progress.close()
     results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
