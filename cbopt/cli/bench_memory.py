@@ -88,14 +88,19 @@ def _rank(rank: int, world: int, init_file: str, out: str, shapes) -> None:
 def state_memory(shapes, world: int = 2) -> dict:
     """Each mode's optimizer-state bytes per rank (`{mode: [bytes of rank 0, rank 1, ...]}`) for cbopt.Adam over
     params of `shapes` on `world` gloo processes, and the state bytes of one unsharded process."""
+    import sys
     import torch.multiprocessing as mp
-    env = {'OMP_NUM_THREADS': '1'}
+    # the processes fork from multiprocessing's fork server, a fresh process that imports torch and cbopt once for all
+    # of them; it is given our sys.path (it would ignore it otherwise), so it imports this very cbopt
+    mp.get_context('forkserver').set_forkserver_preload([__name__])
+    env = {'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.pathsep.join(p for p in sys.path if p)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         with tempfile.TemporaryDirectory(prefix='cbopt-bench-memory-') as out:
             error = None
-            try: mp.spawn(_rank, args=(world, os.path.join(out, 'rendezvous'), out, shapes), nprocs=world, join=True)
+            try: mp.start_processes(_rank, args=(world, os.path.join(out, 'rendezvous'), out, shapes), nprocs=world,
+                                    start_method='forkserver')
             except Exception as e: error = f'{type(e).__name__}: {e}'
             ranks = []
             for r in range(world):
