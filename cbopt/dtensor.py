@@ -7,17 +7,21 @@ tensor (a norm, a mean) gives a partial DTensor that the next tensor op reduces 
 tensor (Muon's Newton-Schulz) gathers it (`on_whole`). Where torch's kernels take plain tensors only (its fused AdamW
 kernel in slices, a compiled elementwise chain), they run on each rank's shard (`local`).
 
-This module imports nothing from cbopt, and imports `torch.distributed.tensor` only if the user has: without it no
+This module imports only `cbopt.chain`, and imports `torch.distributed.tensor` only if the user has: without it no
 DTensor exists.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'any_across_shards']
+from .chain import cb_name, chain_scope, unwrap
+
+__all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'any_across_shards',
+           'PartialNumberError', 'refusing_partial_numbers']
 
 
 def _dtensor_module():
@@ -79,3 +83,41 @@ def any_across_shards(flag: torch.Tensor, like) -> torch.Tensor:
     placements = [Replicate() if p.is_replicate() else Partial('sum') for p in like.placements]
     count = _dtensor_module().DTensor.from_local(flag.to(torch.int32), like.device_mesh, placements, run_check=False)
     return count.full_tensor() > 0
+
+
+class PartialNumberError(RuntimeError):
+    "A callback read a Python number of a partial DTensor: this rank's part of a reduction, not its value."
+
+
+class _RefusePartialNumbers(torch.overrides.TorchFunctionMode):
+    "While a chain that may reduce steps DTensors: `.item()`, `float()`... of a partial DTensor is an error."
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+             torch.Tensor.__index__}
+
+    def __init__(self, cbs: Iterable[Callable]):
+        super().__init__()
+        self.names = {getattr(unwrap(cb), '__code__', None): cb_name(cb) for cb in cbs}
+
+    def _culprit(self) -> str:
+        "The callback of the chain whose code is running (the innermost), from the Python stack."
+        f = sys._getframe()
+        while f is not None:
+            if f.f_code in self.names: return f"callback {self.names[f.f_code]!r}"
+            f = f.f_back
+        return "a callback"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and args and is_dtensor(args[0]) and any(p.is_partial() for p in args[0].placements):
+            raise PartialNumberError(
+                f"{self._culprit()} read a Python number ({func.__name__}) of a DTensor reduced over this rank's shard "
+                f"only (placements {tuple(args[0].placements)}): on FSDP2's sharded params its value differs by rank. "
+                "Keep it a tensor (torch.where, clamp): the next tensor op reduces it across ranks")
+        return func(*args, **(kwargs or {}))
+
+
+def refusing_partial_numbers(cbs: Iterable[Callable], p) -> contextlib.AbstractContextManager:
+    """A context in which a chain stepping `p` (a param or a bucket's first) may not read a Python number of a partial
+    DTensor (`PartialNumberError`, naming the callback): where `p` is a DTensor and the chain is not declared
+    elementwise. Elsewhere it does nothing and costs nothing."""
+    if not is_dtensor(p) or chain_scope(cbs) == 'element': return contextlib.nullcontext()
+    return _RefusePartialNumbers(cbs)

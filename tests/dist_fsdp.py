@@ -104,6 +104,29 @@ def clipping(rank: int, world: int, steps: int, max_norm: float, lr: float, nan_
         opt.zero_grad()
     out['mixed'] = {'params': full(mixed), 'norms': norms}
     out['skip'] = skip_a_nan_shard(rank, world, steps, lr, nan_step)
+    out['refused'] = reading_a_partial_number(rank, world)
+    return out
+
+
+def step_by_grad_norm(p, lr, **kwargs):
+    "A user's callback reading its grad's norm as a Python number: on a shard, this rank's part of it only."
+    p.data.sub_(p.grad * (lr / max(float(torch.linalg.vector_norm(p.grad)), 1.0)))
+step_by_grad_norm.defaults, step_by_grad_norm.state, step_by_grad_norm.scope = dict(lr=0.1), {}, 'tensor'
+
+
+def reading_a_partial_number(rank: int, world: int) -> dict:
+    "Per backend: the error `step_by_grad_norm` gets on FSDP2, and whether the params stayed as they were."
+    from cbopt.dtensor import PartialNumberError
+    out = {}
+    for be in ('loop', 'foreach', 'fused'):
+        model = fsdp_model()
+        opt = cbopt.Optimizer(model.named_parameters(), [step_by_grad_norm], backend=be)
+        backward(model, 0, rank, world)
+        before = full(model)
+        try: opt.step()
+        except PartialNumberError as e: out[be] = {'error': str(e)}
+        else: out[be] = {'error': None}
+        out[be]['unchanged'] = all(torch.equal(full(model)[n], p) for n, p in before.items())
     return out
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..chain import cb_name, check_returns, is_declared, run_chain, transient_keys
+from ..dtensor import refusing_partial_numbers
 from ..tensorlist import BucketError, TensorList
 from .buckets import Bucket, bucket_state, cache_chunks, stand_in, write_state
 from .runtime import runtime, warn_once
@@ -28,9 +29,10 @@ def run_param(cbs, p, state: dict, hyper: Mapping, transient: frozenset) -> None
 
 def loop_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     "The reference: the chain once per param of `b`."
-    check_once(opt, b, hyper)
     cbs, transient = b.cbs, transient_keys(b.cbs)
-    for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
+    with refusing_partial_numbers(cbs, b.params[0]):
+        check_once(opt, b, hyper)
+        for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
 
 
 def _copy(b: Bucket, i: int, as_bucket: bool):
@@ -81,7 +83,12 @@ def probe(cbs, b: Bucket, hyper: Mapping) -> Callable | None:
 
 def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
     """Run the chain once on bucket `b`, or per param (with a one-time warning) if a callback cannot run bucket-wise.
-    Returns whether it ran bucket-wise."""
+    Returns whether it ran bucket-wise. On DTensors, a chain reading a Python number of a partial one is refused
+    (`cbopt.dtensor.refusing_partial_numbers`) by the probe, before any param changed."""
+    with refusing_partial_numbers(b.cbs, b.params[0]): return _foreach_bucket(opt, b, hyper)
+
+
+def _foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
     rt = runtime(opt)
     if b.layout in rt.per_param:  # failed its probe before: the loop is always right, so don't probe every step again
         loop_bucket(opt, b, hyper)
