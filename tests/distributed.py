@@ -253,27 +253,49 @@ def perturbed_model() -> nn.Module:
     return model
 
 
-def dcp_save_ddp(rank: int, world: int, path: str, steps: int, more: int) -> dict:
-    "DDP trains `steps` steps, saves a DCP checkpoint to `path` (each rank its share), then trains `more` steps on."
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(make_model())
-    opt = make_dcp_opt(ddp)
-    train(ddp, opt, steps, rank, world)
-    saved = {'params': params(ddp.module), 'state': opt.named_state_dict()}
-    dcp_save_and_load(ddp, opt, path, load=False)
-    train(ddp, opt, more, rank, world, start=steps)
-    return {**saved, 'final': params(ddp.module)}
+def wrapped(kind: str, model: nn.Module) -> nn.Module:
+    "`model` under DDP (`'ddp'`) or FSDP2 (`'fsdp'`: each Linear, then the root, as `dist_fsdp.fsdp_model`)."
+    if kind == 'ddp':
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model)
+    from torch.distributed.fsdp import fully_shard
+    for layer in (model[0], model[2]): fully_shard(layer)
+    return fully_shard(model)
 
 
-def dcp_load_ddp(rank: int, world: int, path: str, steps: int, more: int) -> dict:
-    "A DDP model of other values loads the DCP checkpoint at `path` (saved after `steps` steps), then trains `more` steps."
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(perturbed_model())
-    opt = make_dcp_opt(ddp)
-    dcp_save_and_load(ddp, opt, path, load=True)
-    loaded = {'params': params(ddp.module), 'state': opt.named_state_dict()}
-    train(ddp, opt, more, rank, world, start=steps)
-    return {**loaded, 'final': params(ddp.module)}
+def whole(sd: dict) -> dict:
+    "A named_state_dict with every DTensor gathered into its whole tensor (a collective: every rank calls it)."
+    full = lambda v: v.full_tensor() if hasattr(v, 'full_tensor') else v
+    return {**sd, 'state': {n: {k: full(v) for k, v in s.items()} for n, s in sd['state'].items()}}
+
+
+def whole_params(model: nn.Module) -> dict:
+    "Each param by its name in the unwrapped model, whole (a DTensor gathered)."
+    model = getattr(model, 'module', model)
+    return {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int) -> dict:
+    """The model under DDP or FSDP2 (`kind`) trains `steps` steps, saves a DCP checkpoint to `path` (each rank its
+    share), then trains `more` steps on."""
+    model = wrapped(kind, make_model())
+    opt = make_dcp_opt(model)
+    train(model, opt, steps, rank, world)
+    saved = {'params': whole_params(model), 'state': whole(opt.named_state_dict())}
+    dcp_save_and_load(model, opt, path, load=False)
+    train(model, opt, more, rank, world, start=steps)
+    return {**saved, 'final': whole_params(model)}
+
+
+def dcp_load(rank: int, world: int, kind: str, path: str, steps: int, more: int) -> dict:
+    """A model of other values under DDP or FSDP2 (`kind`) loads the DCP checkpoint at `path` (saved after `steps`
+    steps), then trains `more` steps."""
+    model = wrapped(kind, perturbed_model())
+    opt = make_dcp_opt(model)
+    dcp_save_and_load(model, opt, path, load=True)
+    loaded = {'params': whole_params(model), 'state': whole(opt.named_state_dict())}
+    train(model, opt, more, rank, world, start=steps)
+    return {**loaded, 'final': whole_params(model)}
 
 
 def state_bytes_per_rank(rank: int, world: int, shapes) -> dict:

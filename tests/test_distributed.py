@@ -118,12 +118,13 @@ def continued(state: dict, weights: dict, steps: int, start: int) -> dict:
     return D.params(model)
 
 
+@pytest.mark.parametrize('kind', ['ddp', 'fsdp'])
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP without a process group: one process
-def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path):
-    """get_state_dict + dcp.save on 2 DDP ranks, dcp.load + set_state_dict in 1 process: the state is loaded bit for
-    bit (the warmup and accumulation counts and the grad sums of the micro-batches so far included), and the run goes
-    on as the uninterrupted one."""
-    ranks = D.spawn(D.dcp_save_ddp, str(tmp_path), DCP_STEPS, DCP_MORE)
+def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path, kind):
+    """get_state_dict + dcp.save on 2 ranks (DDP: each rank holds everything; FSDP2: each its shards), dcp.load +
+    set_state_dict in 1 process: the state is loaded bit for bit (the warmup and accumulation counts and the grad sums
+    of the micro-batches so far included), and the run goes on as the uninterrupted one."""
+    ranks = D.spawn(D.dcp_save, kind, str(tmp_path), DCP_STEPS, DCP_MORE)
     saved = ranks[0]
     assert saved['state']['param_groups'][0]['accumulate_grads.micro_step'] == 2
     assert saved['state']['param_groups'][0]['warmup.iter'] == 1  # one real step so far (after 3 micro-batches)
@@ -140,10 +141,11 @@ def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path):
         for r in ranks: assert_close_at_scale(p, r['final'][n], f'uninterrupted {n}')
 
 
+@pytest.mark.parametrize('kind', ['ddp', 'fsdp'])
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')
-def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path):
-    """The reverse: 1 process saves with get_state_dict + dcp.save, 2 DDP ranks load it and go on: each loads the
-    state bit for bit and ends where the uninterrupted process does."""
+def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path, kind):
+    """The reverse: 1 process saves with get_state_dict + dcp.save, 2 ranks (DDP, or FSDP2 resharding it) load it and
+    go on: each loads the state bit for bit and ends where the uninterrupted process does."""
     model = D.make_model()
     opt = D.make_dcp_opt(model)
     D.train(model, opt, DCP_STEPS)
@@ -151,7 +153,7 @@ def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path):
     D.dcp_save_and_load(model, opt, str(tmp_path), load=False)
     weights = D.params(model)
     D.train(model, opt, DCP_MORE, start=DCP_STEPS)
-    ranks = D.spawn(D.dcp_load_ddp, str(tmp_path), DCP_STEPS, DCP_MORE)
+    ranks = D.spawn(D.dcp_load, kind, str(tmp_path), DCP_STEPS, DCP_MORE)
     for r in ranks:
         assert_same_state(r['state'], saved, 'loaded state')
         for n, p in weights.items(): assert torch.equal(r['params'][n], p), n
