@@ -107,6 +107,10 @@ def test_clipping_and_in_backward_rows(quick_run):
         case = results['in_backward'][key]
         assert case['normal']['grad_bytes'] == case['in_backward']['grad_bytes'] > 0
         assert case['time_ratio'] is not None and f'GPT-2 shapes, {key}' in stdout
+        # the largest saving possible, 1 - largest grad / all grads, from the model's own params
+        params = list(bench.gpt2_model(True, key == 'tied').parameters())
+        assert case['in_backward']['largest_grad_bytes'] == max(p.numel() * p.element_size() for p in params)
+    assert '| at most |' in stdout
 
 
 def test_gpt2_model_has_the_gpt2_set():
