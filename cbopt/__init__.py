@@ -24,6 +24,7 @@ from .model_callbacks import __all__ as _model_callbacks_all
 from .warmup import GradientClipping, WarmupPolicy, WarmupStage
 from .wrappers import Accumulate, GradientClippingOptimizer, SkipNonFinite, WarmupOptimizer
 from .combined import CombinedOptimizer
+from .lbfgs import LBFGS, lbfgs
 from .in_backward import InBackward
 from .pure import FunctionalError, FunctionalOptimizer, functional
 from . import optim
@@ -31,7 +32,7 @@ from .integrations import fastai as _fastai_integration  # registers its hooks; 
 from .integrations import zero as _zero_integration  # registers its hook; imports nothing of torch.distributed
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
-           'TensorList', 'BucketError', 'kahan', 'kahan_chain', 'CombinedOptimizer', 'InBackward', *_callbacks_all, *_optimizers_all,
+           'TensorList', 'BucketError', 'kahan', 'kahan_chain', 'CombinedOptimizer', 'LBFGS', 'lbfgs', 'InBackward', *_callbacks_all, *_optimizers_all,
            *_torch_callbacks_all, *_torch_optimizers_all, *_modern_callbacks_all, *_modern_optimizers_all,
            *_model_callbacks_all,
            'GradientClipping', 'WarmupPolicy', 'WarmupStage', 'GradientClippingOptimizer', 'WarmupOptimizer',

@@ -170,8 +170,12 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'clip_value':  ('Invalid clip_value value', 'clip_value >= 0', "clip_grad_value's bound on each grad element",
                     _is_in(0)),
     'every':       ('Invalid every value', 'an int >= 1', "accumulate_grads' micro-steps per step", _is_in(1)),
+    'max_iter':    ('Invalid max_iter value', 'an int >= 0', "LBFGS's iterations per step", _is_in(0)),
+    'history_size': ('Invalid history_size value', 'an int >= 1', "LBFGS's curvature pairs kept", _is_in(1)),
+    'tolerance_grad': ('Invalid tolerance_grad value', 'tolerance_grad >= 0', '', _is_in(0)),
+    'tolerance_change': ('Invalid tolerance_change value', 'tolerance_change >= 0', '', _is_in(0)),
 }
-INT_HYPERS = ('k', 'every')
+INT_HYPERS = ('k', 'every', 'max_iter', 'history_size')
 FLAG_HYPERS = ('nesterov', 'clip', 'train_mode')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
 

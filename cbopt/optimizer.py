@@ -238,11 +238,12 @@ class Optimizer(torch.optim.Optimizer):
     # -- stepping ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        "Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns the loss."
+        """Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns
+        the loss: called once here, and again by whole-model callbacks that re-evaluate (`lbfgs`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
-        engine.run_step(self)
+        engine.run_step(self, closure, loss)
         return loss
 
     @property

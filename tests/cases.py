@@ -228,6 +228,8 @@ CASES: list[Case] = [
          compiles=('aot_eager',)),
     Case('lion-kahan', build=lambda ps, lr, backend='auto': cbopt.Lion(ps, tenth(lr), wd=0.1, kahan_sum=True,
                                                                        backend=backend)),
+    # not here: LBFGS, which steps only with a closure (these tests step without one, on two param groups);
+    # tests/test_lbfgs.py runs it through the same checks (every backend, bit-exact resume, torch's state_dict)
 ]
 
 BY_ID: dict[str, Case] = {c.id: c for c in CASES}

@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..chain import ENGINE_KEYS, _cb_sig, cb_name, chain_name, model_key, model_param_state, split_chain, unwrap
+from ..chain import (ENGINE_KEYS, _cb_sig, cb_name, chain_name, model_key, model_param_state, param_chain, split_chain,
+                     unwrap)
 from ..hypers import Hypers
 from .auto import auto_bucket
 from . import buckets as bucketing
@@ -141,8 +142,14 @@ def _model_param_state(opt, cb, groups: list) -> None:
             _fill_param_state(st, p, keys)
 
 
-def _run_model_cb(opt, cb, groups: list, snapshots: dict) -> dict:
-    """Run one whole-model callback over the params with a grad of `groups`; returns what it returned (checked)."""
+def uses_closure(cb) -> bool:
+    "Whether a whole-model callback re-evaluates the model (`cb.uses_closure = True`, as `lbfgs`): it needs the closure."
+    return bool(getattr(unwrap(cb), 'uses_closure', False))
+
+
+def _run_model_cb(opt, cb, groups: list, snapshots: dict, evaluation: Mapping | None = None) -> dict:
+    """Run one whole-model callback over the params with a grad of `groups`; returns what it returned (checked).
+    A callback that `uses_closure` also gets `evaluation`: `closure` (re-evaluates) and `loss` (its first value)."""
     _model_param_state(opt, cb, groups)
     g0, name = groups[0], cb_name(cb)
     declared, per_param = _declared(cb, 'state'), _declared(cb, 'param_state')
@@ -151,7 +158,8 @@ def _run_model_cb(opt, cb, groups: list, snapshots: dict) -> dict:
     params = [tl for tl, _ in bks]
     pstate = {k: [type(tl)([s[model_key(cb, k)] for s in states]) for tl, states in bks] for k in per_param}
     grads = [tl.grad for tl in params]
-    out = cb(params, groups=groups, **{**pstate, **model_state, **snapshots[id(g0)]})
+    extra = dict(evaluation or {}) if uses_closure(cb) else {}
+    out = cb(params, groups=groups, **{**pstate, **model_state, **snapshots[id(g0)], **extra})
     for tl, before in zip(params, grads):  # grads it rebound (out of place): the rest of the step sees them
         if tl.grad is not before:
             for p, g in zip(tl, tl.grad): p.grad = g
@@ -171,9 +179,11 @@ def _hypers(g, overrides: Mapping) -> dict:
 
 @torch._dynamo.disable(reason="cbopt's step runs eagerly under an outer torch.compile: its own backends (the fused one "
                         "compiles the chain with dynamic lr and step) do the compiling")
-def run_step(opt) -> None:
+def run_step(opt, closure: Callable | None = None, loss=None) -> None:
     """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
-    callbacks (see the module docstring); then refresh `opt.step_stats`.
+    callbacks (see the module docstring); then refresh `opt.step_stats`. `closure` and `loss` (what `opt.step(closure)`
+    got from its first call) go to the whole-model callbacks that re-evaluate the model (`uses_closure`, as `lbfgs`):
+    after such a step each param holds the grad of the closure's last evaluation, as with torch.optim.LBFGS.
 
     Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) this
     is one graph break: the step runs as in eager mode, with `opt`'s backend. Traced by dynamo, a step count or lr
@@ -194,18 +204,29 @@ def run_step(opt) -> None:
         _run_buckets(opt, snapshots, check=True, loss_scale=loss_scale)
         opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
         return
+    evaluating = [cb_name(cb) for cb, _ in [*plan[0], *plan[1]] if uses_closure(cb)]
+    if evaluating and closure is None:
+        raise RuntimeError(f"{evaluating[0]} re-evaluates the model several times per step: call opt.step(closure), "
+                           "where closure() zeroes the grads, computes the loss, calls backward() and returns the loss "
+                           "(a fastai Learner steps without a closure)")
     check_grads(opt)  # before the whole-model callbacks change anything
     if loss_scale is not None:  # whole-model callbacks read unscaled grads: unscale them first, as scaler.unscale_ does
         unscale_grads([p for g in opt.param_groups for p in g['params'] if p.grad is not None], loss_scale)
     init_model_state(opt, plan)
     user_grads = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
-    try: _run_model_step(opt, plan)
+
+    def reevaluate():
+        "The closure, with grad enabled; its grads are the user's from now on (the last evaluation's stay)."
+        with torch.enable_grad(): out = closure()
+        user_grads[:] = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
+        return out
+    try: _run_model_step(opt, plan, dict(closure=reevaluate, loss=loss) if evaluating else None)
     finally:  # the grad contract: whole-model callbacks rebind grads out of place; each param gets its own back
         for p, grad in user_grads: p.grad = grad
 
 
-def _run_model_step(opt, plan: tuple) -> None:
-    "`run_step` with whole-model callbacks (`plan`: `model_plan(opt)`)."
+def _run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None:
+    "`run_step` with whole-model callbacks (`plan`: `model_plan(opt)`; `evaluation`: see `_run_model_cb`)."
     overrides: dict = {}
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
     stats: dict = {'skipped': False}
@@ -213,7 +234,7 @@ def _run_model_step(opt, plan: tuple) -> None:
     scales: dict = {}  # id(group) -> the grad scale its params' grads still owe (see `_owe_scale`)
     for cb, groups in plan[0]:
         _pay_scales(opt, scales)
-        out = _run_model_cb(opt, cb, groups, snapshots)
+        out = _run_model_cb(opt, cb, groups, snapshots, evaluation)
         new = {model_key(cb, k): v for k, v in out.items() if k not in ENGINE_KEYS and k in _declared(cb, 'state')}
         stats.update({k: v for k, v in out.items() if k not in ENGINE_KEYS})
         if out.get('skip'):
@@ -234,7 +255,7 @@ def _run_model_step(opt, plan: tuple) -> None:
         _run_buckets(opt, snapshots, scales=scales)
         scales.clear()  # (paid by the buckets)
         for cb, groups in plan[1]:
-            out = _run_model_cb(opt, cb, groups, snapshots)
+            out = _run_model_cb(opt, cb, groups, snapshots, evaluation)
             if out.get('skip') or out.get('hypers') is not None:
                 raise ValueError(f"whole-model callback {cb_name(cb)!r} runs after the per-param chain: it cannot skip "
                                  "the step or set its hypers (list it at the start of the chain)")
@@ -277,6 +298,7 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
     kernel where one steps the bucket (`fused`, `auto`), on scaled copies of the bucket's grads otherwise.
     `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain."""
     kind, scales = opt.backend_options.kind, scales or {}
+    if not any(param_chain(g['cbs']) for g in opt.param_groups): return  # only whole-model callbacks (lbfgs)
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
         if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)

@@ -10,12 +10,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..chain import chain_name, chain_reads, unwrap
+from ..chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
 from .flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
-           'chain_flags', 'torch_state']
+           'chain_flags', 'torch_state', 'torch_model_state']
 
 # torch's group entries -> cbopt's hypers (a tuple of torch's, as `betas`, spreads over several); a callback whose
 # torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's). torch's
@@ -171,3 +171,18 @@ def read_checkpoint(sd: Any) -> Checkpoint:
     if 'hypers' in sd and not isinstance(sd['state'], Mapping): return _read_fastai(sd)
     if 'param_groups' not in sd: raise ValueError("the state_dict has no 'param_groups'")
     return _read_groups(sd)
+
+
+def torch_model_state(first: dict, cbs) -> dict:
+    """The group entries of the whole-model callbacks of `cbs` that torch.optim keeps in the state of a group's first
+    param (`cb.torch_model_state`: torch's key -> the callback's, None for torch's scratch), taken out of `first` (a
+    checkpoint's state, read into a copy); entries torch has not created yet at their declared initial values."""
+    out = {}
+    for cb in cbs:
+        names = getattr(unwrap(cb), 'torch_model_state', None)
+        if not is_model_cb(cb) or not names: continue
+        declared = dict(getattr(unwrap(cb), 'state', None) or {})
+        for theirs, ours in names.items():
+            v = first.pop(theirs, None)
+            if ours is not None: out[model_key(cb, ours)] = declared.get(ours) if v is None else v
+    return out

@@ -28,7 +28,8 @@ from ..chain import (chain_defaults, chain_name, chain_reads, init_chain_state, 
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
-                      chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_state, torch_state_names)
+                      chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_state, torch_state,
+                      torch_state_names)
 from .names import canonical_names, is_positional
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
@@ -66,7 +67,7 @@ def named_state_dict(opt: Optimizer) -> dict:
     for name, p in zip(opt.param_names, opt.params):
         s = opt.state.get(p)
         if s: state[name] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _plain(v) for k, v in s.items()}
-    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _plain(v) for k, v in model_entries(g).items()},
+    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
 
@@ -149,6 +150,13 @@ def _same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _copied(v: Any) -> Any:
+    "`v` with its tensors copied, in lists too (whole-model state such as LBFGS's history): a snapshot, not an alias."
+    if isinstance(v, torch.Tensor): return v.detach().clone()
+    if isinstance(v, (list, tuple)): return type(v)(_copied(o) for o in v)
+    return v
+
+
 def torch_state_dict(opt: Optimizer) -> dict:
     """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
     `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
@@ -215,8 +223,11 @@ def _from_torch(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> tuple[C
     where = [i for i, g in enumerate(opt.param_groups) for _ in g['params']]
     dest = {}
     for s, i in zip(matched, where): dest.setdefault(s.group, i)
-    groups = [torch_hypers(j, g, opt.param_groups[dest.get(j, min(j, len(opt.param_groups) - 1))]['cbs'])
-              for j, g in enumerate(ck.groups)]
+    chains = [opt.param_groups[dest.get(j, min(j, len(opt.param_groups) - 1))]['cbs'] for j in range(len(ck.groups))]
+    groups = [torch_hypers(j, g, cbs) for j, (g, cbs) in enumerate(zip(ck.groups, chains))]
+    for j, cbs in enumerate(chains):  # whole-model state torch keeps under a group's first param (LBFGS's)
+        first = next((s for s in ck.params if s.group == j), None)
+        groups[j].update(torch_model_state(first.state if first else {}, cbs))
     matched = [s._replace(state=torch_state(s.state, opt.param_groups[i]['cbs'])) for s, i in zip(matched, where)]
     return ck._replace(groups=groups), matched
 
@@ -272,7 +283,7 @@ def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(like, Number): value = value.item()
     if isinstance(like, Number) and not isinstance(value, Number):
         raise TypeError(f"state {key!r} of param {name!r} is a {type(value).__name__} in the state_dict, a number here")
-    return type(like)(value) if isinstance(like, Number) and not isinstance(like, bool) else value
+    return type(like)(value) if isinstance(like, Number) and not isinstance(like, bool) else _copied(value)
 
 
 def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict, list]:
@@ -337,4 +348,4 @@ def _model_entries(where: str, theirs: Mapping, ours: Mapping) -> dict:
                                          f"this optimizer keeps {sorted(ours) or 'none'} there")
     for k in ours:
         if k not in theirs: raise KeyError(f"whole-model callback state {k!r} ({where}) is missing from the state_dict")
-    return {k: _load_value(where, k, theirs[k], ours[k]) for k in ours}
+    return {k: None if theirs[k] is None else _load_value(where, k, theirs[k], ours[k]) for k in ours}  # None: not yet
