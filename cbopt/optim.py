@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .lbfgs import LBFGS as _lbfgs_recipe
 from . import optimizers as _fastai
 from . import torch_optimizers as _torch
 from .callbacks import average_sqr_grad, step_stat
@@ -24,7 +25,7 @@ from .optimizers import _decay, maximizing
 from .torch_callbacks import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
 
 __all__ = ['SGD', 'Adam', 'AdamW', 'RMSprop', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop',
-           'Adafactor']
+           'Adafactor', 'Muon', 'LBFGS']
 
 Params = Any
 # torch's switches that name the algorithm in a torch group dict: a group may repeat the constructor's value
@@ -233,3 +234,32 @@ class Adafactor(TorchOptimizer):
                  foreach: bool | None = None, maximize: bool = False) -> None:
         self._build(_torch.Adafactor, params, dict(maximize=maximize), lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                     wd=weight_decay, maximize=maximize, backend=_backend('Adafactor', foreach, None, False))
+
+
+def _every_param(name: str, p: torch.Tensor) -> bool:
+    "torch's Muon steps every param it is given with Muon (and refuses any that is not 2-D)."
+    return True
+
+
+class Muon(TorchOptimizer):
+    """torch.optim.Muon: every param is Muon's, and must be 2-D, as in torch (`cbopt.Muon` splits a whole model between
+    Muon and AdamW). `momentum` is `mom`, `ns_coefficients` the hypers `ns_a`, `ns_b`, `ns_c`; state `grad_avg`
+    (torch's `momentum_buffer`)."""
+    torch_group_names = dict(momentum='mom', ns_coefficients=('ns_a', 'ns_b', 'ns_c'))
+
+    def __init__(self, params: Params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None) -> None:
+        self._build(_torch.Muon, params, dict(nesterov=nesterov), lr=lr, wd=weight_decay, mom=momentum,
+                    nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                    adjust_lr_fn=adjust_lr_fn, muon_params=_every_param)
+
+
+class LBFGS(TorchOptimizer):
+    """torch.optim.LBFGS (`cbopt.LBFGS`: the whole-model callback `cbopt.lbfgs`): `step(closure)` only, one param group;
+    its history is the group entries `'lbfgs.*'` (torch keeps it under its first param: its state_dict loads)."""
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eval: int | None = None,
+                 tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9, history_size: int = 100,
+                 line_search_fn: str | None = None) -> None:
+        self._build(_lbfgs_recipe, params, {}, lr=lr, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
+                    tolerance_change=tolerance_change, history_size=history_size, line_search_fn=line_search_fn)

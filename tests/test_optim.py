@@ -4,6 +4,7 @@ does (loop, foreach, fused where torch has a CPU kernel), every construction err
 torch's state_dicts load mid-run, and deepcopy, hooks, zero grads, no-grad params and tensor lrs behave as torch's.
 Where cbopt deliberately differs, `DIFFERENCES` says so, in this one place."""
 import copy
+import inspect
 import io
 
 import pytest
@@ -45,6 +46,8 @@ def configs():
 def impls(name: str, config: int) -> list:
     """The implementation switches to run: loop and foreach, and fused where torch has a CPU kernel (for the first
     config only, but for AdamW, which runs torch's kernel: cbopt's fused backend compiles other chains, seconds each)."""
+    if 'foreach' not in inspect.signature(getattr(torch.optim, name)).parameters:  # Muon, LBFGS: no switches
+        return [dict(backend=b) for b in ('loop', 'foreach')]  # (set on cbopt's after construction)
     out = [dict(foreach=False), dict(foreach=True)]
     if 'fused' in INFOS[name].supported_impls and (config == 0 or name == 'AdamW'): out.append(dict(fused=True))
     return out
@@ -56,17 +59,29 @@ def _model(seed=0):
         return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
 
 
+def _params(name, model):
+    "The params the class is given: torch's Muon takes only 2-D ones (it refuses the rest), the others all."
+    return [p for p in model.parameters() if p.ndim == 2] if name == 'Muon' else model.parameters()
+
+
 def _grads(model, step):
+    "Batch `step`'s grads, fresh; returns its loss (so it is also a closure)."
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
     for p in model.parameters(): p.grad = None
-    with torch.enable_grad(): torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.enable_grad():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+    return loss
 
 
 def _run(opt, model, steps, start=0):
+    "`steps` steps on batches `start`...; LBFGS (which needs a closure) re-evaluates the batch through one."
     for i in range(start, start + steps):
-        _grads(model, i)
-        opt.step()
+        if isinstance(opt, (torch.optim.LBFGS, cbopt.optim.LBFGS)): opt.step(lambda: _grads(model, i))
+        else:
+            _grads(model, i)
+            opt.step()
 
 
 def assert_params_close(actual, expected, rtol=2e-5):
@@ -87,10 +102,12 @@ def test_steps_as_torch(name, config, kwargs):
     for impl in impls(name, config):
         if 'fused' in impl and isinstance(kwargs.get('lr'), torch.Tensor): continue
         m, ref = _model(), _model()
-        opt = getattr(cbopt.optim, name)(m.parameters(), **_kw(kwargs), **impl)
-        assert opt.backend == ('fused' if 'fused' in impl else 'foreach' if impl['foreach'] else 'loop')
+        backend = impl.pop('backend', None)
+        opt = getattr(cbopt.optim, name)(_params(name, m), **_kw(kwargs), **impl)
+        assert opt.backend == ('auto' if backend else 'fused' if 'fused' in impl else 'foreach' if impl['foreach'] else 'loop')
+        if backend: opt.backend = backend
         if 'fused' in impl: opt.backend = cbopt.Backend('fused', compiler='aot_eager')  # no inductor codegen: seconds
-        torch_opt = getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs), **impl)
+        torch_opt = getattr(torch.optim, name)(_params(name, ref), **_kw(kwargs), **impl)
         _run(opt, m, N_STEPS)
         _run(torch_opt, ref, N_STEPS)
         assert_params_close(m, ref)
@@ -100,10 +117,10 @@ def test_steps_as_torch(name, config, kwargs):
 def test_loads_torchs_state_dict(name, config, kwargs):
     "A torch.optim checkpoint taken mid-run loads into cbopt.optim, which then steps on as torch does."
     m, ref = _model(), _model()
-    torch_opt = getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs))
+    torch_opt = getattr(torch.optim, name)(_params(name, ref), **_kw(kwargs))
     _run(torch_opt, ref, 3)
     m.load_state_dict(ref.state_dict())
-    opt = getattr(cbopt.optim, name)(m.parameters(), **_kw(kwargs))
+    opt = getattr(cbopt.optim, name)(_params(name, m), **_kw(kwargs))
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     _run(opt, m, 3, start=3)
     _run(torch_opt, ref, 3, start=3)
@@ -208,6 +225,9 @@ def test_error_inputs(name, err):
     other = next((v for k, v in ERROR_DIFFERENCES.items() if k in str(err.error_regex)), None)
     if other is not None:
         error, match = other
+        groups = inp.params if isinstance(inp.params, list) and all(isinstance(g, dict) for g in inp.params) else [0]
+        if error is None and name == 'LBFGS' and len(groups) > 1:  # torch's refusal of several groups comes first
+            error, match = ValueError, "LBFGS doesn't support per-parameter options"
         if error is None:  # accepted, and it steps
             m = _model()
             opt = cls(m.parameters() if inp.params is None else inp.params, **inp.kwargs)
@@ -232,27 +252,40 @@ def test_signature_is_torchs(name):
 
 @pytest.mark.parametrize('name', sorted(INFOS))
 def test_zero_grads_no_grad_params_deepcopy_hooks(name):
-    "Zero grads, a param without a grad, a deepcopy stepping on its own and step hooks, each as torch's class."
+    """Zero grads, a param without a grad, a deepcopy stepping on its own and step hooks, each as torch's class. (LBFGS
+    steps through a closure; a param without a grad moves along its history there, as in torch's.)"""
     m, ref = _model(), _model()
-    frozen = [m[2].bias, ref[2].bias]
-    opt = getattr(cbopt.optim, name)(m.parameters())
-    torch_opt = getattr(torch.optim, name)(ref.parameters())
+    opt = getattr(cbopt.optim, name)(_params(name, m))
+    torch_opt = getattr(torch.optim, name)(_params(name, ref))
     calls = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append('pre'))
     opt.register_step_post_hook(lambda o, a, k: calls.append('post'))
-    for o, mod in ((opt, m), (torch_opt, ref)):
+
+    def step(o, mod, batch):
+        "One step on the grads `batch(mod)` leaves (it returns the loss: the closure, for LBFGS)."
+        if name == 'LBFGS': return o.step(lambda: batch(mod))
+        batch(mod)
+        o.step()
+
+    def zeros(mod):
         for p in mod.parameters(): p.grad = torch.zeros_like(p)
-        o.step()
+        return torch.tensor(0.)
+
+    def frozen_last(mod):
+        "Batch 7 with the last param given to the optimizer (the head) without a grad."
+        loss = _grads(mod, 7)
+        list(_params(name, mod))[-1].grad = None
+        return loss
+
+    for o, mod in ((opt, m), (torch_opt, ref)):
+        step(o, mod, zeros)
         _run(o, mod, 2, start=0)
-        for p in mod.parameters(): p.grad = None if p is mod[2].bias else p.grad
     assert calls == ['pre', 'post'] * 3
-    before = frozen[0].detach().clone()
+    before = list(_params(name, m))[-1].detach().clone()
     m2, opt2 = copy.deepcopy((m, opt))
-    for o, mod in ((opt, m), (torch_opt, ref), (opt2, m2)):
-        _grads(mod, 7)
-        mod[2].bias.grad = None
-        o.step()
-    assert torch.equal(m[2].bias, before) and torch.equal(m2[2].bias, before)
+    for o, mod in ((opt, m), (torch_opt, ref), (opt2, m2)): step(o, mod, frozen_last)
+    if name != 'LBFGS':
+        assert torch.equal(list(_params(name, m))[-1], before) and torch.equal(list(_params(name, m2))[-1], before)
     assert_params_close(m, ref)
     assert_params_close(m2, ref)
 
@@ -298,6 +331,18 @@ def test_group_flags_and_torch_names():
         cbopt.optim.Adam([{'params': _model().parameters(), 'amsgrad': True}])
 
 
+def test_muon_group_dicts_take_torchs_names():
+    "torch's Muon names in group dicts (weight_decay, momentum, ns_coefficients) run as torch's, per group."
+    m, ref = _model(), _model()
+    groups = lambda mod: [{'params': [mod[0].weight], 'weight_decay': 0.2, 'momentum': 0.8,
+                           'ns_coefficients': (3.4, -4.7, 2.0)}, {'params': [mod[2].weight]}]
+    opt, torch_opt = cbopt.optim.Muon(groups(m), lr=0.02), torch.optim.Muon(groups(ref), lr=0.02)
+    _run(opt, m, N_STEPS)
+    _run(torch_opt, ref, N_STEPS)
+    assert_params_close(m, ref)
+    assert (opt.hypers[0]['wd'], opt.hypers[0]['mom'], opt.hypers[0]['ns_b']) == (0.2, 0.8, -4.7)
+
+
 def test_is_a_full_cbopt_optimizer():
     m = _model()
     opt = cbopt.optim.AdamW(m.named_parameters(), lr=1e-2, betas=(0.8, 0.9))
@@ -311,7 +356,7 @@ def test_is_a_full_cbopt_optimizer():
 # -- the README's table of defaults ------------------------------------------------------------------------------------
 RECIPES = {'SGD': 'SGD', 'Adam': 'Adam', 'AdamW': 'Adam', 'RMSprop': 'RMSProp', 'RAdam': 'RAdam', 'NAdam': 'NAdam',
            'Adagrad': 'Adagrad', 'Adadelta': 'Adadelta', 'Adamax': 'Adamax', 'ASGD': 'ASGD', 'Rprop': 'Rprop',
-           'Adafactor': 'Adafactor'}
+           'Adafactor': 'Adafactor', 'Muon': 'Muon', 'LBFGS': 'LBFGS'}
 
 
 def _defaults(f) -> str:
@@ -320,7 +365,7 @@ def _defaults(f) -> str:
     out = []
     for p in inspect.signature(f).parameters.values():
         if p.name in ('self', 'params', 'backend', 'kwargs') or p.default is inspect.Parameter.empty: continue
-        if isinstance(p.default, bool) or p.default is None: continue
+        if isinstance(p.default, bool) or p.default is None or callable(p.default): continue  # (Muon's muon_params)
         out.append(f'`{p.name}={p.default!r}`')
     return ', '.join(out)
 
