@@ -124,6 +124,24 @@ def test_loads_torchs_state_dict_mid_run(line_search_fn):
     assert func_evals(opt) == torch_opt.state[next(ref.parameters())]['func_evals']
 
 
+@pytest.mark.parametrize('line_search_fn', SEARCHES)
+def test_torch_loads_its_state_dict_mid_run(line_search_fn):
+    "`state_dict(format=torch.optim.LBFGS)` puts the history under the first param, where torch's LBFGS reads it."
+    m = mlp()
+    opt = cbopt.LBFGS(m.parameters(), **hypers(line_search_fn))
+    run(m, opt, 5)
+    ref = copy.deepcopy(m)
+    torch_opt = torch.optim.LBFGS(ref.parameters(), **hypers(line_search_fn))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(format=torch.optim.LBFGS), buf)
+    buf.seek(0)
+    torch_opt.load_state_dict(torch.load(buf, weights_only=True))
+    assert len(torch_opt.state[ref[0].weight]['old_dirs']) == hypers(line_search_fn)['history_size']
+    run(m, opt, 8), run(ref, torch_opt, 8)
+    assert_params_close(m, ref)
+    assert func_evals(opt) == torch_opt.state[ref[0].weight]['func_evals']
+
+
 def test_loads_torchs_state_dict_before_any_history():
     "A torch checkpoint taken before a step, or after one that stopped at once (tolerance_grad), has no history."
     ref = mlp()

@@ -140,16 +140,16 @@ def test_torch_loads_cbopts_state_dict(name, config, kwargs):
     """cbopt.optim's state_dict, taken mid-run, is what its torch class saves: torch.optim loads it (weights_only) and
     steps on as cbopt does; it also loads back into cbopt.optim, as does `state_dict(format='cbopt')`."""
     models = [_model() for _ in range(4)]
-    opt = getattr(cbopt.optim, name)(models[0].parameters(), **_kw(kwargs))
+    opt = getattr(cbopt.optim, name)(_params(name, models[0]), **_kw(kwargs))
     _run(opt, models[0], 3)
     for m in models[1:]: m.load_state_dict(models[0].state_dict())
     sd = _saved(opt.state_dict())
     assert 'chain' not in sd['param_groups'][0]
-    torch_opt = getattr(torch.optim, name)(models[1].parameters(), **_kw(kwargs))
+    torch_opt = getattr(torch.optim, name)(_params(name, models[1]), **_kw(kwargs))
     torch_opt.load_state_dict(sd)
-    back = getattr(cbopt.optim, name)(models[2].parameters(), **_kw(kwargs))
+    back = getattr(cbopt.optim, name)(_params(name, models[2]), **_kw(kwargs))
     back.load_state_dict(sd)
-    ours = getattr(cbopt.optim, name)(models[3].parameters(), **_kw(kwargs))
+    ours = getattr(cbopt.optim, name)(_params(name, models[3]), **_kw(kwargs))
     ours.load_state_dict(_saved(opt.state_dict(format='cbopt')))
     for o, m in zip((opt, torch_opt, back, ours), models): _run(o, m, 3, start=3)
     for m in models[1:]: assert_params_close(m, models[0])

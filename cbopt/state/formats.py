@@ -15,7 +15,7 @@ from .flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
-           'chain_flags', 'torch_state', 'torch_model_state']
+           'chain_flags', 'torch_state', 'torch_model_state', 'torch_model_entries']
 
 # torch's group entries -> cbopt's hypers (a tuple of torch's, as `betas`, spreads over several); a callback whose
 # torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's). torch's
@@ -185,4 +185,17 @@ def torch_model_state(first: dict, cbs) -> dict:
         for theirs, ours in names.items():
             v = first.pop(theirs, None)
             if ours is not None: out[model_key(cb, ours)] = declared.get(ours) if v is None else v
+    return out
+
+
+def torch_model_entries(entries: Mapping, cbs) -> dict:
+    """The reverse of `torch_model_state`: a group's whole-model entries that torch.optim keeps under the group's first
+    param, by torch's names (those not created yet, None, are left out, as torch has not created them either)."""
+    out = {}
+    for cb in cbs:
+        names = getattr(unwrap(cb), 'torch_model_state', None)
+        if not is_model_cb(cb) or not names: continue
+        for theirs, ours in names.items():
+            v = None if ours is None else entries.get(model_key(cb, ours))
+            if v is not None: out[theirs] = v
     return out

@@ -28,8 +28,8 @@ from ..chain import (chain_defaults, chain_name, chain_reads, init_chain_state, 
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
-                      chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_state, torch_state,
-                      torch_state_names)
+                      chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_entries, torch_model_state,
+                      torch_state, torch_state_names)
 from .names import canonical_names, is_positional
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
@@ -79,7 +79,7 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
     this optimizer would. What `cls` cannot hold is refused, naming the group or param: state with no torch name (another
     algorithm), a flag or a decay `cls` does not have, a hyper it has no entry for (unless at its callback's default,
     which changes nothing), fastai's `do_wd=False`. Whole-model callbacks (clipping...) are not torch.optim's: their
-    entries are left out."""
+    entries are left out, but for those torch keeps under a group's first param (`cb.torch_model_state`: LBFGS's)."""
     sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
     what = f"torch.optim.{cls.__name__}"
     base = torch_state_dict(opt)
@@ -108,6 +108,8 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
                                  f"chain does not count steps (cbopt.optim.{cls.__name__} does)")
             for f in extras: out.update(f(**{**algo, **hyper}))
             state[pid] = out
+        if saved['params'] and (model := torch_model_entries(saved, cbs)):  # LBFGS's history: under the first param
+            state[saved['params'][0]] = {**state.get(saved['params'][0], {}), **model}
     return {'state': state, 'param_groups': groups}
 
 
