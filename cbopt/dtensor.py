@@ -20,7 +20,7 @@ import torch
 
 from .chain import cb_name, chain_scope, unwrap
 
-__all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'any_across_shards',
+__all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'across_shards', 'any_across_shards',
            'PartialNumberError', 'refusing_partial_numbers']
 
 
@@ -74,15 +74,19 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def any_across_shards(flag: torch.Tensor, like) -> torch.Tensor:
-    """Whether `flag` (a 0-d bool tensor computed from this rank's shard of `like`) holds on any rank: one all-reduce
-    over the ranks sharding `like`, so every rank decides the same. Counted as a sum: a max would let an all-reduce
-    drop a NaN."""
-    if not is_dtensor(like): return flag
+def across_shards(value: torch.Tensor, like, op: str) -> torch.Tensor:
+    """`value` (a 0-d tensor computed from this rank's shard of `like`) reduced with `op` ('sum', 'max') over the ranks
+    sharding `like`: one all-reduce, the same result on every rank; as it is where `like` is not a DTensor."""
+    if not is_dtensor(like): return value
     from torch.distributed.tensor import Partial, Replicate
-    placements = [Replicate() if p.is_replicate() else Partial('sum') for p in like.placements]
-    count = _dtensor_module().DTensor.from_local(flag.to(torch.int32), like.device_mesh, placements, run_check=False)
-    return count.full_tensor() > 0
+    placements = [Replicate() if p.is_replicate() else Partial(op) for p in like.placements]
+    return _dtensor_module().DTensor.from_local(value, like.device_mesh, placements, run_check=False).full_tensor()
+
+
+def any_across_shards(flag: torch.Tensor, like) -> torch.Tensor:
+    """Whether `flag` (a 0-d bool tensor computed from this rank's shard of `like`) holds on any rank, so every rank
+    decides the same. Counted as a sum: a max would let an all-reduce drop a NaN."""
+    return across_shards(flag.to(torch.int32), like, 'sum') > 0
 
 
 class PartialNumberError(RuntimeError):

@@ -17,7 +17,7 @@ import math
 import torch
 
 from .chain import zeros
-from .dtensor import any_across_shards, global_value, layout_key, local
+from .dtensor import across_shards, any_across_shards, global_value, layout_key, local
 from .warmup import WarmupSchedule
 
 __all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
@@ -51,11 +51,22 @@ def total_grad_norm(params: list, norm_type: float) -> torch.Tensor:
     first = params[0][0].device  # each bucket's norms stacked, then moved, at once: no Python step per param
     by_layout: dict = {}
     for tl in _torch_order(params):
-        norms = torch.stack(torch.linalg.vector_norm(tl.grad, norm_type)).to(first)
-        by_layout.setdefault(layout_key(tl.grad[0]), []).append(norms)
+        key = layout_key(tl.grad[0])
+        if key is not None and norm_type == math.inf: norms = _max_abs_across_shards(tl).to(first)[None]
+        else: norms = torch.stack(torch.linalg.vector_norm(tl.grad, norm_type)).to(first)
+        by_layout.setdefault(key, []).append(norms)
     totals = [global_value(torch.linalg.vector_norm(torch.cat(ns) if len(ns) > 1 else ns[0], norm_type))
               for ns in by_layout.values()]
     return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals), norm_type)
+
+
+def _max_abs_across_shards(tl) -> torch.Tensor:
+    """The inf norm of the sharded grads of bucket `tl` across ranks: a rank's shard of a small param may be empty,
+    where torch's inf norm has no value, so each rank reduces its non-empty shards (0 if none), then one all-reduce."""
+    shards = [g for g in map(local, tl.grad) if g.numel()]
+    own = torch.stack(torch._foreach_norm(shards, math.inf)).amax() if shards else \
+        torch.zeros((), dtype=tl.grad[0].dtype, device=tl.grad[0].device)
+    return across_shards(own, tl.grad[0], 'max')
 
 
 def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):

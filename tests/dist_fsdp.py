@@ -105,7 +105,37 @@ def clipping(rank: int, world: int, steps: int, max_norm: float, lr: float, nan_
     out['mixed'] = {'params': full(mixed), 'norms': norms}
     out['skip'] = skip_a_nan_shard(rank, world, steps, lr, nan_step)
     out['refused'] = reading_a_partial_number(rank, world)
+    out['empty_shard'] = {k: train_one_row_head(make, rank, world, steps) for k, make in EMPTY_SHARD_OPTS.items()}
     return out
+
+
+def one_row_head() -> nn.Module:
+    "A model whose head has one row: on 2 ranks, rank 1's shards of its weight and bias are empty."
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+EMPTY_SHARD_OPTS = {  # what must also work where a rank's shard is empty
+    'clip inf': lambda ps: cbopt.GradientClippingOptimizer(cbopt.Adam(ps, lr=1e-2), cbopt.GradientClipping.NORM,
+                                                           max_gradient=0.1, norm_type='inf'),
+    'skip': lambda ps: cbopt.SkipNonFinite(cbopt.Adam(ps, lr=1e-2, backend='foreach')),
+    'lamb': lambda ps: cbopt.Lamb(ps, lr=1e-2, backend='foreach'),
+}
+
+
+def train_one_row_head(make, rank: int = 0, world: int = 1, steps: int = 3, sharded: bool = True) -> dict:
+    "`make(named params)` trained on `one_row_head` (sharded by FSDP2 or not), on the first output column's targets."
+    from torch.distributed.fsdp import fully_shard
+    model = one_row_head()
+    if sharded:
+        for m in (model[0], model[2], model): fully_shard(m)
+    opt = make(list(model.named_parameters()))
+    for i in range(steps):
+        x, y = D.batch(i)
+        nn.functional.mse_loss(model(x[rank::world]), y[rank::world, :1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return full(model)
 
 
 def step_by_grad_norm(p, lr, **kwargs):
