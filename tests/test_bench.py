@@ -13,13 +13,19 @@ import cbopt
 from cbopt.cli import bench
 
 
+# the catalogue's rows in the quick run: a torch.optim one with a fused kernel, a modern one, Muon (its matrices), a
+# tensor-scope chain, and one whose fused backend does not compile (every optimizer: in the README's full run)
+QUICK_CATALOGUE = ('AdamW', 'Lion', 'Muon', 'Adafactor', 'ScheduleFreeAdamW')
+
+
 @pytest.fixture(scope='module')
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
     env = {**os.environ, 'MPLBACKEND': 'Agg'}
     # every part but memory: tests/test_distributed.py checks the memory part's counts (2 ranks cost minutes here)
     parts = ','.join(p for p in bench.PARTS if p != 'memory')
-    cmd = [sys.executable, '-m', 'cbopt', 'bench', '--quick', '--threads', '1', '--only', parts, '--out', str(out)]
+    cmd = [sys.executable, '-m', 'cbopt', 'bench', '--quick', '--threads', '1', '--only', parts, '--out', str(out),
+           '--optimizers', ','.join(QUICK_CATALOGUE)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, out
@@ -78,12 +84,12 @@ def test_gpt2_small_shapes():
 
 
 def test_lion_callbacks_follow_the_paper():
-    "The Lion chain, step by step against the update written out directly (Chen et al. 2023, Algorithm 2)."
+    "cbopt.Lion (the bench's Lion rows), step by step against the update written out directly (Chen et al. 2023, Algorithm 2)."
     ps = bench.make_params([('a', (6, 5)), ('b', (7,))], seed=3)
     ref = [p.detach().clone() for _, p in ps]
     avg = [torch.zeros_like(p) for p in ref]
     h = dict(lr=0.01, mom=0.8, sqr_mom=0.95, wd=0.5)
-    opt = cbopt.Optimizer(ps, bench.LION_CBS, **h)
+    opt = cbopt.Lion(ps, **h)
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         for (_, p), r, m in zip(ps, ref, avg):
@@ -125,3 +131,45 @@ def test_gpt2_model_has_the_gpt2_set():
     assert len(list(untied.parameters())) == len(named) + 1
     tied(torch.randint(64, (1, 5))).backward()
     assert all(p.grad is not None for p in tied.parameters())
+
+
+def test_catalogue_has_every_optimizer():
+    "The catalogue part covers the whole catalogue (the issue's list), each name once."
+    from cbopt.cli import bench_catalogue
+    names = [e.name for e in bench_catalogue.catalogue()]
+    assert len(names) == len(set(names)) and set(names) == {
+        'SGD', 'Adam', 'AdamW', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop', 'RMSprop',
+        'Adafactor', 'Muon', 'Lion', 'Adan', 'AdEMAMix', 'StableAdamW', 'ScheduleFreeSGD', 'ScheduleFreeAdamW', 'Lamb'}
+
+
+def test_catalogue_rows(quick_run):
+    """Case 9: each optimizer asked for has cbopt's fused row (where its chain compiles) and foreach row next to each
+    mode of its reference, all timed; every row computes what the reference computes (3 steps from one start,
+    relative to the reference's largest param); the floor counts the param's read and write, the grad, the state."""
+    from cbopt.cli import bench_catalogue
+    stdout, out = quick_run
+    cat = json.loads((out / 'bench.json').read_text())['catalogue']
+    assert set(cat['cases']) == set(QUICK_CATALOGUE)
+    for entry in [e for e in bench_catalogue.catalogue() if e.name in QUICK_CATALOGUE]:
+        case = cat['cases'][entry.name]
+        rows = ['cbopt fused'] * entry.compiles + ['cbopt foreach', *entry.refs, 'add_']
+        assert list(case['results']) == rows
+        for row, r in case['results'].items(): assert 'error' not in r and len(r['times']) == 3, (entry.name, row, r)
+        assert set(case['numerics']) == set(rows) - {'add_'}
+        assert max(case['numerics'].values()) <= bench_catalogue.NUMERICS_TOL, (entry.name, case['numerics'])
+        assert case['bytes_per_param'] >= 12 and f'| {entry.name} ' in stdout
+    assert cat['cases']['AdamW']['bytes_per_param'] == 28 and cat['cases']['Lion']['bytes_per_param'] == 20
+    assert bench_catalogue.fastest_ref(cat['cases']['AdamW']) in ('torch fused', 'torch foreach')
+
+
+def test_compile_part(quick_run):
+    """Case 10: Lion's first compile in a fresh process, with an empty inductor cache (a miss per graph: one graph for
+    the 16 flat params of the quick set), then with that cache filled (hits, no miss)."""
+    stdout, out = quick_run
+    cases = json.loads((out / 'bench.json').read_text())['compile']['cases']
+    cold, warm = cases['cold'], cases['warm cache']
+    assert cold['tensors'] == warm['tensors'] == 16
+    assert cold['graphs'] == warm['graphs'] == 1
+    assert cold['fxgraph_cache_miss'] == 1 and cold['fxgraph_cache_hit'] == 0
+    assert warm['fxgraph_cache_miss'] == 0 and warm['fxgraph_cache_hit'] == 1
+    assert "Lion's first compile" in stdout

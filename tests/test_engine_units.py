@@ -12,7 +12,7 @@ import torch
 import cbopt
 from cbopt.engine import Backend, as_backend
 from cbopt.engine import buckets as bucketing
-from cbopt.engine.compiled import ScalarArgsAsTensors, shape_chunks
+from cbopt.engine.compiled import ScalarArgsAsTensors, can_flatten, flat_chunks, shape_chunks
 from cbopt.engine.runtime import warn_once
 
 
@@ -65,6 +65,46 @@ def test_shape_chunks() -> None:
     assert shape_chunks(shapes, 4) == [[0, 2, 3, 4], [6, 7, 8], [1, 5]]
     assert shape_chunks([(5,)] * 6, 4) == [[0, 1, 2], [3, 4, 5]]     # 3 divides 6: no remainder chunk
     assert shape_chunks([(5,)] * 8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_flat_chunks() -> None:
+    "Flat params go in runs of `chunk` in their order, the last one shorter: GPT-2's 148 params in 4 x 32 + 20."
+    assert [len(c) for c in flat_chunks(148, 32)] == [32] * 4 + [20]
+    assert [i for c in flat_chunks(148, 32) for i in c] == list(range(148))
+    assert flat_chunks(3, 32) == [[0, 1, 2]] and flat_chunks(4, 2) == [[0, 1], [2, 3]]
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters['stats']['unique_graphs']
+
+
+def test_an_elementwise_chain_compiles_one_graph_per_chunk_length() -> None:
+    """cbopt.Lion (every callback elementwise) over 10 params of ranks 1 to 4 and many sizes, in chunks of 4: flat
+    params, so two graphs (chunks of 4 and of 2) whatever the shapes, over 4 steps; the same params as the loop, and
+    its state keeps each param's shape. A transposed grad (not contiguous: no flat alias) steps by shape instead."""
+    shapes = [(5,), (3, 4), (7,), (2, 3, 4), (4, 3), (6,), (2, 2, 2, 2), (9,), (5, 5), (3,)]
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    def run(backend):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = cbopt.Lion(ps, lr=0.1, wd=0.1, backend=backend)
+        for gs in grads:
+            for p, gr in zip(ps, gs): p.grad = gr.clone()
+            opt.step()
+        return ps, opt
+    before = _graphs()
+    fused, opt = run(cbopt.Backend('fused', compiler='eager', compile_chunk=4))
+    assert _graphs() - before == 2
+    loop, _ = run('loop')
+    for a, b in zip(fused, loop): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert [tuple(opt.state[p]['grad_avg'].shape) for p in fused] == shapes
+    bucket = bucketing.buckets(opt)[0]
+    assert can_flatten(bucket)
+    fused[1].grad = torch.randn(4, 3, generator=g).t()
+    assert not can_flatten(bucketing.buckets(opt)[0])
+    assert not can_flatten(bucketing.buckets(cbopt.Adafactor(fused, lr=0.1))[0])  # a tensor-scope chain keeps shapes
 
 
 def test_python_state_that_cannot_be_hashed_gets_a_bucket_per_param() -> None:

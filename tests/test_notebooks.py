@@ -12,7 +12,7 @@ NBS = sorted((Path(__file__).parent.parent / 'nbs').glob('*.ipynb'))
 def test_all_notebooks_present():
     names = {nb.stem for nb in NBS}
     assert {'00_quick_tour', '01_build_your_own', '02_hypers_and_schedules', '03_fastai', '04_checkpoints',
-            '05_whole_model', '07_functional'} <= names
+            '05_whole_model', '06_catalogue', '07_functional'} <= names
 
 
 @pytest.mark.parametrize('path', NBS, ids=[nb.stem for nb in NBS])

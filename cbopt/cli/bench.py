@@ -6,8 +6,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
 
 1. GPT-2-small's 148 params (124.4M): cbopt's Adam per backend vs torch AdamW (fused, foreach, for-loop) and fastai.
 2. 1,000 params of 64x64, the same contenders: per-param overhead dominates.
-3. Lion, written here only as cbopt callbacks (torch has no kernel for it), on the GPT-2 set: backends vs the loop,
-   and the first step (state creation and compilation) on its own.
+3. `cbopt.Lion` (torch has no kernel for it) on the GPT-2 set: backends vs the loop, and the first step (state
+   creation and compilation) on its own.
 4. Peak memory a step adds beyond params, grads and state, each optimizer in a fresh subprocess.
 5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to the bandwidth of two
    streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
@@ -19,6 +19,9 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
    + step against the normal step (each in a fresh subprocess), and the time of both, interleaved.
 9. The optimizer state each rank holds under DDP, ZeRO and FSDP2, on 2 gloo processes, on the GPT-2 set
    (`cbopt/cli/bench_memory.py`; bytes, not timed).
+10. The catalogue: every optimizer's fused and foreach steps against its reference's fastest mode, and against the
+    memory-traffic floor, on the GPT-2 set at `--size` times its width (`bench_catalogue`).
+11. Lion's first compile in a fresh process with an empty inductor cache, then with that cache filled.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import torch
 import cbopt
 from .bench_memory import memory_rows, state_memory
 
-__all__ = ['gpt2_shapes', 'grid_shapes', 'make_params', 'lion_step', 'lion_avg', 'available_backends', 'measure', 'main']
+__all__ = ['gpt2_shapes', 'grid_shapes', 'make_params', 'available_backends', 'measure', 'main']
 
 BACKENDS = ('fused', 'foreach', 'loop', 'auto')  # auto (the default) picks one of the others per bucket
 ADAM = dict(lr=1e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
@@ -87,24 +90,6 @@ def make_params(shapes: Shapes, seed: int = 0) -> list[tuple[str, torch.nn.Param
 
 
 def numel(ps) -> int: return sum(p.numel() for _, p in ps)
-
-
-# -- Lion, as cbopt callbacks (Chen et al. 2023) ----------------------------------------------------------------------
-def lion_step(p, lr, mom, grad_avg=None, **kwargs):
-    "Lion's update: `p -= lr * sign(lerp(grad_avg, grad, 1-mom))` (`mom` is beta1)."
-    if grad_avg is None: grad_avg = torch.zeros_like(p.grad.data)
-    p.data.add_(grad_avg.lerp(p.grad.data, 1 - mom).sign_(), alpha=-lr)
-    return {'grad_avg': grad_avg}
-lion_step.defaults = dict(mom=0.9)
-
-
-def lion_avg(p, sqr_mom, grad_avg, **kwargs):
-    "Lion's momentum, updated after the step with its own rate: `grad_avg = lerp(grad_avg, grad, 1-sqr_mom)` (beta2)."
-    grad_avg.lerp_(p.grad.data, 1 - sqr_mom)
-lion_avg.defaults = dict(sqr_mom=0.99)
-
-
-LION_CBS = [cbopt.weight_decay, lion_step, lion_avg]  # decoupled wd first: `p -= lr*wd*p` uses the old p
 
 
 # -- clipping: the contenders of case 7 --------------------------------------------------------------------------------
@@ -267,8 +252,8 @@ def fastai_adam(ps) -> Callable[[], None]:
 
 
 def lion_contenders(backends: list[str]) -> dict[str, Callable]:
-    return {f'cbopt {b}': (lambda b: lambda ps: cbopt.Optimizer(ps, LION_CBS, **LION, **backend_kw(b)).step)(b)
-            for b in backends}
+    "`cbopt.Lion` per backend (torch has no kernel for it; the catalogue part has it against lion-pytorch)."
+    return {f'cbopt {b}': (lambda b: lambda ps: cbopt.Lion(ps, **LION, **backend_kw(b)).step)(b) for b in backends}
 
 
 def train_contenders(compiler: str, bs: int = 64) -> tuple[dict[str, Callable[[], None]], Callable]:
@@ -574,6 +559,12 @@ def report(results: dict) -> str:
         out.append(f"**Optimizer state per rank** (cbopt.Adam, {res['world']} gloo processes; {res['tensors']:,} tensors, "
                    f"{res['numel']:,} params, {res['param_bytes'] / 1e6:.1f} MB of fp32 params)\n\n"
                    f"{table(*memory_rows(res))}{note}")
+    if 'catalogue' in results or 'compile' in results:
+        from . import bench_catalogue
+        if 'catalogue' in results:
+            c = results['catalogue']
+            out.append(bench_catalogue.catalogue_report(c['cases'], c['numel'], c['tensors']))
+        if 'compile' in results: out.append(bench_catalogue.compile_report(results['compile']['cases']))
     return '\n\n'.join(out)
 
 
@@ -639,7 +630,7 @@ def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dic
             'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
 
 
-PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward', 'memory')
+PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -652,10 +643,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
     parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
-                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9)")
+                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
+    parser.add_argument('--size', type=float, default=1.0, help="catalogue and compile: the GPT-2 set's width and "
+                        "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
+    parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
+                        '(default: all)')
     args = parser.parse_args(argv)
     args.only = [p.strip() for p in args.only.split(',') if p.strip()]
     if unknown := [p for p in args.only if p not in PARTS]: parser.error(f"unknown part(s) {unknown}: expected {PARTS}")
+    if args.optimizers:
+        from .bench_catalogue import catalogue
+        args.optimizers = [n.strip() for n in args.optimizers.split(',') if n.strip()]
+        if unknown := sorted(set(args.optimizers) - {e.name for e in catalogue()}):
+            parser.error(f"unknown optimizer(s) {unknown} for --optimizers: expected names of the catalogue")
     if args.threads: torch.set_num_threads(args.threads)
     if args.quick: return run(args)
     before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
@@ -711,15 +711,25 @@ def run(args: argparse.Namespace) -> dict:
     if 'memory' in todo:
         progress.set('state per rank: DDP, ZeRO, FSDP2')
         parts['memory'] = state_memory(sets['gpt2'])
+    if 'catalogue' in todo:
+        from . import bench_catalogue
+        shapes = bench_catalogue.gpt2_at(args.size, args.quick)
+        parts['catalogue'] = dict(size=args.size, numel=sum(math.prod(s) for _, s in shapes), tensors=len(shapes),
+                                  cases=bench_catalogue.catalogue_case(shapes, rounds, warmup, args.quick,
+                                                                       args.optimizers, progress))
+    if 'compile' in todo:
+        from . import bench_catalogue
+        progress.set('first compile, fresh processes')
+        parts['compile'] = dict(size=args.size, cases=bench_catalogue.compile_case(args.size, args.quick))
     progress.close()
     results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
                    peak_mem_pct=mem, cases=cases, **parts)
-    text = report(results)
-    print('\n' + text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / 'bench.json').write_text(json.dumps(results, indent=1))
+    (out / 'bench.json').write_text(json.dumps(results, indent=1))  # before the report: a long run's numbers are kept
+    text = report(results)
+    print('\n' + text, flush=True)
     (out / 'bench.md').write_text(text + '\n')
     if cases: plot(results, out / 'bench.png')
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if cases else ''))

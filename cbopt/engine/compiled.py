@@ -4,6 +4,11 @@ Compiled with dynamic shapes, and with every Python number turned into a tensor 
 changed lr or step count never recompiles. Compiled once per chain and layout and kept in-process. The first step of
 a layout, which creates the state, runs eagerly (foreach); a chain that does not compile runs with foreach, with a
 one-time warning.
+
+Few graphs, as each costs seconds of compilation with a cold cache: an elementwise chain (every callback declares
+scope 'element', so it does not care about a param's shape) steps flat 1-D aliases of its params, in chunks of a fixed
+length, each size its own symbol (no duck shaping): one graph per chunk length, whatever the shapes (GPT-2 small's
+148 params: 2 graphs). Other chains step params of one shape per chunk (`shape_chunks`).
 """
 from __future__ import annotations
 
@@ -69,11 +74,13 @@ def _fused_chain_fn(cbs, name: str) -> Callable:
     return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
 
 
-def compiled_chain(cbs, compiler: str, b: Bucket, idx: list) -> Callable:
+def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat: bool = False) -> Callable:
     """The chain compiled for the params `idx` of `b`, with dynamic shapes and Python numbers: a change of lr or step
-    does not recompile. Compiled once per chain and layout (device, dtype, ranks, state keys) in this process."""
+    does not recompile. Compiled once per chain and layout (device, dtype, ranks, or the count of flat params, state
+    keys) in this process."""
     p0 = b.params[idx[0]]
-    key = (compiler, chain_sig(cbs), p0.device, p0.dtype, tuple(b.params[i].ndim for i in idx), tuple(b.states[idx[0]]))
+    ranks = ('flat', len(idx)) if flat else tuple(b.params[i].ndim for i in idx)
+    key = (compiler, chain_sig(cbs), p0.device, p0.dtype, ranks, tuple(b.states[idx[0]]))
     if key not in _COMPILED:
         fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
         _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=True)
@@ -93,30 +100,67 @@ def shape_chunks(shapes: list[tuple], chunk: int) -> list[list[int]]:
     return out
 
 
+def flat_chunks(n: int, chunk: int) -> list[list[int]]:
+    """Indices `0..n-1` in runs of `chunk`, the last one shorter: for flat params, whose sizes are all symbolic, a
+    graph serves every run of its length (two graphs at most per bucket layout)."""
+    return [list(range(j, min(j + chunk, n))) for j in range(0, n, chunk)]
+
+
+def can_flatten(b: Bucket) -> bool:
+    """Whether `b`'s chain may step flat aliases of its params: it is elementwise (declared), and every param, grad and
+    param-shaped state tensor is contiguous, so that a flat alias is all of its memory."""
+    if chain_scope(b.cbs) != 'element': return False
+    return all(p.is_contiguous() and p.grad.is_contiguous()
+               and all(v.is_contiguous() for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+               for p, st in zip(b.params, b.states))
+
+
+def flat_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory as a 1-D tensor. Not a view (`.view(-1)` is one): dynamo would guard on the shape of its base, and
+    compile a graph per rank again."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),))
+
+
+def flat_param(p: torch.Tensor) -> torch.Tensor:
+    "The param as an elementwise chain sees it: its memory as a 1-D tensor, whose `.grad` is its grad's."
+    v = flat_alias(p.detach())
+    v.grad = flat_alias(p.grad.detach())
+    return v
+
+
 class CompileFailed(Exception):
     "The chain did not compile; `rest` is the part of the bucket that was not touched."
     def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
 
 
 def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
-    """Step `b` with the compiled chain, in chunks of params of the same shape (`shape_chunks`). Compilation traces
-    the chain before running anything, so a chain that cannot compile raises before its first chunk is touched."""
+    """Step `b` with the compiled chain: flat params in fixed-length chunks (`flat_chunks`) where `can_flatten`, else
+    in chunks of params of the same shape (`shape_chunks`). Compilation traces the chain before running anything, so
+    a chain that cannot compile raises before its first chunk is touched."""
     options = opt.backend_options
     on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
-    chunks = shape_chunks([p.shape for p in b.params], options.compile_chunk)
+    flat = not on_shards and can_flatten(b)  # (a shard's local tensors step by shape, as before)
+    chunks = (flat_chunks(len(b.params), options.compile_chunk) if flat else
+              shape_chunks([p.shape for p in b.params], options.compile_chunk))
     hyper = dict(hyper)
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False):  # nn.Parameters get dynamic shapes too
+    shaped = lambda p, v: flat_alias(v) if flat and v.shape == p.shape else local(v)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False), \
+            torch.fx.experimental._config.patch(use_duck_shape=not flat):  # flat: every size its own symbol
         for j, idx in enumerate(chunks):
-            tstates = [{k: local(v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
-            params = [local_param(b.params[i]) if on_shards else b.params[i] for i in idx]
-            fn = compiled_chain(b.cbs, options.compiler, b, idx)
+            tstates = [{k: shaped(b.params[i], v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)}
+                       for i in idx]
+            params = [flat_param(b.params[i]) if flat else local_param(b.params[i]) if on_shards else b.params[i]
+                      for i in idx]
+            fn = compiled_chain(b.cbs, options.compiler, b, idx, flat)
             try: new_t, new_py = fn(params, tstates, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
                 rest = [i for c in chunks[j:] for i in c]
                 raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
-            for i, nt in zip(idx, new_t):  # (a rebound entry of a shard becomes a DTensor again, as the entry was)
-                b.states[i].update({k: as_like(v, b.states[i].get(k, b.params[i])) for k, v in nt.items()})
+            for i, nt in zip(idx, new_t):  # a new flat entry gets its param's shape back; a rebound entry of a shard
+                p = b.params[i]                # becomes a DTensor again, as the entry was
+                b.states[i].update({k: v.view(p.shape) if flat and v.shape == (p.numel(),) else as_like(v, b.states[i].get(k, p))
+                                    for k, v in nt.items()})
                 b.states[i].update(new_py)
 
 
