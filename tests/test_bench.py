@@ -26,7 +26,7 @@ def quick_run(tmp_path_factory):
     parts = ','.join(p for p in bench.PARTS if p != 'memory')
     cmd = [sys.executable, '-m', 'cbopt', 'bench', '--quick', '--threads', '1', '--only', parts, '--out', str(out),
            '--optimizers', ','.join(QUICK_CATALOGUE)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=out, env=env)  # (a loaded machine)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, out
 
@@ -135,8 +135,7 @@ def test_gpt2_model_has_the_gpt2_set():
 
 def test_catalogue_has_every_optimizer():
     "The catalogue part covers the whole catalogue (the issue's list), each name once."
-    from cbopt.cli import bench_catalogue
-    names = [e.name for e in bench_catalogue.catalogue()]
+    names = [e.name for e in bench.catalogue()]
     assert len(names) == len(set(names)) and set(names) == {
         'SGD', 'Adam', 'AdamW', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop', 'RMSprop',
         'Adafactor', 'Muon', 'Lion', 'Adan', 'AdEMAMix', 'StableAdamW', 'ScheduleFreeSGD', 'ScheduleFreeAdamW', 'Lamb'}
@@ -146,20 +145,19 @@ def test_catalogue_rows(quick_run):
     """Case 9: each optimizer asked for has cbopt's fused row (where its chain compiles) and foreach row next to each
     mode of its reference, all timed; every row computes what the reference computes (3 steps from one start,
     relative to the reference's largest param); the floor counts the param's read and write, the grad, the state."""
-    from cbopt.cli import bench_catalogue
     stdout, out = quick_run
     cat = json.loads((out / 'bench.json').read_text())['catalogue']
     assert set(cat['cases']) == set(QUICK_CATALOGUE)
-    for entry in [e for e in bench_catalogue.catalogue() if e.name in QUICK_CATALOGUE]:
+    for entry in [e for e in bench.catalogue() if e.name in QUICK_CATALOGUE]:
         case = cat['cases'][entry.name]
         rows = ['cbopt fused'] * entry.compiles + ['cbopt foreach', *entry.refs, 'add_']
         assert list(case['results']) == rows
         for row, r in case['results'].items(): assert 'error' not in r and len(r['times']) == 3, (entry.name, row, r)
         assert set(case['numerics']) == set(rows) - {'add_'}
-        assert max(case['numerics'].values()) <= bench_catalogue.NUMERICS_TOL, (entry.name, case['numerics'])
+        assert max(case['numerics'].values()) <= case['tolerance'] == entry.tol, (entry.name, case['numerics'])
         assert case['bytes_per_param'] >= 12 and f'| {entry.name} ' in stdout
     assert cat['cases']['AdamW']['bytes_per_param'] == 28 and cat['cases']['Lion']['bytes_per_param'] == 20
-    assert bench_catalogue.fastest_ref(cat['cases']['AdamW']) in ('torch fused', 'torch foreach')
+    assert bench.fastest_ref(cat['cases']['AdamW']) in ('torch fused', 'torch foreach')
 
 
 def test_compile_part(quick_run):
