@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -96,6 +97,44 @@ def test_group_errors() -> None:
     ghost_state = copy.deepcopy(sd)
     ghost_state['state']['ghost'] = {}
     refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: no group of the state_dict lists it")
+
+
+def test_a_regrouped_checkpoint_gives_each_group_the_hypers_of_its_params_groups() -> None:
+    """Groups in another order and of other sizes than the checkpoint's: each group takes the hypers of the checkpoint
+    group its params were in, whatever the order of the entries in the checkpoint's group dicts (a dict's order means
+    nothing); a whole-model callback's state (kept in the first group listing it) is neither a hyper nor a
+    disagreement to warn of when that group's params come from several checkpoint groups."""
+    def opt(groups: list[list[str]], lrs: list[float]) -> cbopt.Optimizer:
+        named = dict(model().named_parameters())
+        return cbopt.SkipNonFinite(cbopt.Adam([{'params': [(n, named[n]) for n in g], 'lr': lr}
+                                               for g, lr in zip(groups, lrs)]))
+    src = opt([['0.weight'], ['0.bias', '1.weight'], ['1.bias']], [0.1, 0.2, 0.3])
+    for seed, bad in ((0, False), (1, True), (2, False)):  # the step with a NaN grad is skipped and counted
+        grads(src.params, seed)
+        if bad: src.params[0].grad[0, 0] = float('nan')
+        src.step()
+    sd = src.named_state_dict()
+    assert sd['param_groups'][0]['skip_nonfinite.skipped_total'] == 1
+    sd['param_groups'] = [dict(reversed(list(g.items()))) for g in sd['param_groups']]  # 'params' and 'chain' first
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        dst = opt([['1.bias'], ['0.bias', '1.weight'], ['0.weight']], [0.5, 0.6, 0.7])
+        dst.load_state_dict(sd)
+        assert [h['lr'] for h in dst.hypers] == [0.3, 0.2, 0.1]
+        merged = opt([list(dict(model().named_parameters()))], [0.5])  # from checkpoint groups that agree on all hypers
+        src.set_hyper('lr', 0.1)
+        merged.load_state_dict(src.named_state_dict())
+        assert merged.hypers[0]['lr'] == 0.1
+    for o in (dst, merged):
+        assert o.param_groups[0]['skip_nonfinite.skipped_total'] == 1
+    twice = src.named_state_dict()
+    twice['param_groups'][1]['skip_nonfinite.skipped_total'] = 0
+    refused(dst, twice, ValueError, "whole-model callback state 'skip_nonfinite.skipped_total' is in several groups of "
+                                    "the state_dict, which groups its params otherwise than this optimizer: cannot tell "
+                                    "whose it is")
+    for o in (dst, merged):
+        assert all(torch.equal(o.state[o.named_params()[n]]['grad_avg'], src.state[p]['grad_avg'])
+                   for n, p in src.named_params().items())
 
 
 def test_another_chain_is_refused_per_group() -> None:
@@ -292,6 +331,38 @@ def test_torch_state_with_param_names() -> None:
     plain = cbopt.Adam(model().parameters())
     plain.load_state_dict(sd)
     assert all(plain.state[p]['step'] == 1 for p in plain.params)
+
+
+def test_torch_groups_are_read_with_the_chain_their_params_load_into() -> None:
+    """A torch.optim checkpoint grouped otherwise: each torch group's flags are checked against the chain of the group
+    its params land in here (not the group at its index), an empty torch group against the last group, and a flag
+    that differs names the torch group."""
+    m = model()
+    named = list(m.named_parameters())
+    t = torch.optim.SGD([{'params': named[:2], 'maximize': True}, {'params': named[2:]}], lr=0.1, momentum=0.9)
+    t.add_param_group({'params': [], 'param_names': [], 'lr': 0.3, 'maximize': True})  # torch keeps an empty group
+    for i in range(2):
+        grads(list(m.parameters()), i)
+        t.step()
+    maximizing = cbopt.SGD([torch.zeros(1, requires_grad=True)], mom=0.9, maximize=True).cbs
+    ours = dict(model().named_parameters())
+    opt = cbopt.SGD([{'params': [(n, ours[n]) for n, _ in named[2:]]},
+                     {'params': [(n, ours[n]) for n, _ in named[:2]], 'cbs': maximizing}], lr=0.5, mom=0.9)
+    opt.load_state_dict(t.state_dict())
+    assert [h['lr'] for h in opt.hypers] == [0.1, 0.1]
+    with torch.no_grad():
+        for n, p in named: ours[n].copy_(p)
+    for i in range(2, 5):  # each param goes on as in torch, the maximized ones too
+        grads(list(m.parameters()), i)
+        t.step()
+        for (n, p) in named: ours[n].grad = p.grad.clone()
+        opt.step()
+    for n, p in named: torch.testing.assert_close(ours[n], p, rtol=1e-6, atol=0)
+    sd = t.state_dict()
+    sd['param_groups'][1]['maximize'] = True
+    refused(cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9), sd, ValueError,
+            "param group 0 of the torch.optim state_dict has maximize=True, but this optimizer's chain [weight_decay,average_grad,momentum_step] "
+            "runs as maximize=False: build it with maximize=True")
 
 
 def test_torch_none_state_is_skipped() -> None:
