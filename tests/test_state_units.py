@@ -365,6 +365,31 @@ def test_torch_groups_are_read_with_the_chain_their_params_load_into() -> None:
             "runs as maximize=False: build it with maximize=True")
 
 
+def test_torch_state_and_hypers_read_one_entry_at_a_time() -> None:
+    """torch's step (a float tensor, or a plain number) becomes an int; a None entry is skipped, not the rest after it;
+    a callback's own torch state names win over the common table (RMSprop's `momentum_buffer` is its `mom_buf`, SGD's
+    is `grad_avg`); a whole-model entry (a '.' in its name) is kept as it is; a torch tuple hyper of another length
+    than its names is refused."""
+    m = model()
+    t = torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.9, centered=True)
+    grads(list(m.parameters()), 0)
+    t.step()
+    rms = cbopt.optim.RMSprop(model().parameters(), lr=0.01, momentum=0.9, centered=True)
+    rms.load_state_dict(t.state_dict())
+    for p, q in zip(rms.params, m.parameters()):
+        assert torch.equal(rms.state[p]['mom_buf'], t.state[q]['momentum_buffer'])
+        assert torch.equal(rms.state[p]['grad_avg'], t.state[q]['grad_avg'])
+    sgd = cbopt.SGD(model().parameters(), mom=0.9).param_groups[0]['cbs']
+    buf = torch.ones(2)
+    assert torch_state({'exp_avg': None, 'momentum_buffer': buf, 'step': torch.tensor(3.)}, sgd) == \
+        {'grad_avg': buf, 'step': 3}
+    assert torch_state({'step': 4.0}, sgd) == {'step': 4} and type(torch_state({'step': 4.0}, sgd)['step']) is int
+    cbs = adam(steps=0).param_groups[0]['cbs']
+    assert torch_hypers(0, {'lr': 0.1, 'skip_nonfinite.skipped_total': 2, 'betas': (0.8, 0.9)}, cbs) == \
+        {'lr': 0.1, 'skip_nonfinite.skipped_total': 2, 'mom': 0.8, 'sqr_mom': 0.9}
+    with pytest.raises(ValueError): torch_hypers(0, {'betas': (0.8, 0.9, 0.99)}, cbs)
+
+
 def test_torch_none_state_is_skipped() -> None:
     "torch saves some optional state as None (e.g. a momentum buffer before its first step): nothing to load."
     m = model()
