@@ -132,6 +132,15 @@ def test_a_regrouped_checkpoint_gives_each_group_the_hypers_of_its_params_groups
     refused(dst, twice, ValueError, "whole-model callback state 'skip_nonfinite.skipped_total' is in several groups of "
                                     "the state_dict, which groups its params otherwise than this optimizer: cannot tell "
                                     "whose it is")
+    unknown = src.named_state_dict()
+    unknown['param_groups'][2]['accumulate_grads.micro_step'] = 1
+    refused(dst, unknown, KeyError, "unknown whole-model callback state 'accumulate_grads.micro_step' in the state_dict's "
+                                    "any group: this optimizer keeps ['skip_nonfinite.skipped_consecutive', "
+                                    "'skip_nonfinite.skipped_total'] there")
+    plain = adam(groups=True).named_state_dict()
+    plain['param_groups'][0]['accumulate_grads.micro_step'] = 1
+    refused(adam(groups=True), plain, KeyError, "unknown whole-model callback state 'accumulate_grads.micro_step' in "
+                                                "the state_dict's group 0: this optimizer keeps none there")
     for o in (dst, merged):
         assert all(torch.equal(o.state[o.named_params()[n]]['grad_avg'], src.state[p]['grad_avg'])
                    for n, p in src.named_params().items())
