@@ -26,6 +26,8 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
   step callbacks say which), so a torch state_dict loads into the chain and the chain's state_dict can be written in
   torch's names (`opt.state_dict(format=torch.optim.SGD)`); `cb.torch_extra_state`, a function of the state and
   hypers, gives the entries torch keeps that cbopt computes (ASGD's `eta` and `mu`);
+- `cb.supports_complex = False`: its math is not elementwise on a complex param's (real, imaginary) pairs, which is
+  how every backend steps complex params (`engine.buckets.as_real`): an optimizer listing it refuses complex params;
 - `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
   with another value is refused; one of cbopt's state_dicts written for torch sets it).
 

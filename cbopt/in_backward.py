@@ -24,7 +24,7 @@ import torch
 from . import engine
 from .chain import cb_name, unwrap
 from .engine import Backend
-from .engine.buckets import Bucket
+from .engine.buckets import Bucket, as_real
 from .engine.foreach import loop_bucket
 from .engine.kernels import torch_kernel
 from .hypers import Hypers
@@ -106,10 +106,11 @@ class InBackward(Optimizer):
         if any(getattr(unwrap(cb), 'scope', None) == 'model' for cb in g['cbs']):  # appended to a chain since
             _refuse_model_scope(self)
         engine.check_grads(SimpleNamespace(param_groups=[{'param_names': [name], 'params': [p], 'cbs': g['cbs']}]))
-        b, hyper = Bucket(g, [p], [self.state[p]]), Hypers(g).snapshot()
-        kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
-        if kernel is not None: kernel()
-        else: loop_bucket(self, b, hyper)
+        hyper = Hypers(g).snapshot()
+        with as_real(Bucket(g, [p], [self.state[p]])) as b:  # a complex param steps on its real view, as in `step`
+            kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
+            if kernel is not None: kernel()
+            else: loop_bucket(self, b, hyper)
         p.grad = None
 
     def _where(self, p: torch.Tensor) -> tuple[dict, str]:

@@ -123,6 +123,7 @@ class Optimizer(torch.optim.Optimizer):
         groups = named_groups([{**param_group}], start=sum(len(g['params']) for g in self.param_groups))
         check_params(groups, known=self.named_params())
         g = self._with_chain(groups[0])
+        _check_complex(g, len(self.param_groups))
         if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
             _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})')
         fill = self.defaults
@@ -306,6 +307,18 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         cbs = ', '.join(cb_name(cb) for cb in self.cbs)
         return f"{type(self).__name__}([{cbs}], {len(self.param_groups)} groups, {len(self.params)} params)"
+
+
+def _check_complex(g: Mapping, i: int) -> None:
+    """Complex params step on their real views (`engine.buckets.as_real`), except in a chain with a callback declaring
+    `cb.supports_complex = False` (Adafactor's factored moments, Muon's orthogonalisation: torch refuses them too)."""
+    bad = next((cb for cb in g['cbs'] if getattr(unwrap(cb), 'supports_complex', True) is False), None)
+    if bad is None: return
+    for name, p in zip(g['param_names'], g['params']):
+        if p.is_complex():
+            raise TypeError(f"param {name!r} (group {i}) is complex ({p.dtype}), which {cb_name(bad)!r} does not support "
+                            f"(as torch's Adafactor and Muon do not): keep its real and imaginary parts as a real param "
+                            f"of shape (..., 2) and use torch.view_as_complex(param) in the model")
 
 
 def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Optimizer:

@@ -168,18 +168,14 @@ def check_group_hypers(g: Mapping, i: int) -> None:
 
 
 def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Raise a clear error naming the culprit for a complex, non-float, non-leaf, duplicated or doubly named param, or a
+    """Raise a clear error naming the culprit for a non-float (or complex), non-leaf, duplicated or doubly named param, or a
     bad hyper in a group dict (`groups` come from `named_groups`, which refuses anything but tensors)."""
     seen_names = dict(known or {})
     seen_ids = {id(t): n for n, t in seen_names.items()}
     for i, g in enumerate(groups):
         for name, t in zip(g['param_names'], g['params']):
-            if t.is_complex():
-                raise TypeError(f"param {name!r} (group {i}) is complex ({t.dtype}): cbopt does not step complex params "
-                                "yet: keep its real and imaginary parts as a real param of shape (..., 2) and use "
-                                "torch.view_as_complex(param) in the model")
-            if not t.is_floating_point():
-                raise TypeError(f"param {name!r} (group {i}) has dtype {t.dtype}: only floating-point params can be optimized")
+            if not t.is_floating_point() and not t.is_complex():
+                raise TypeError(f"param {name!r} (group {i}) has dtype {t.dtype}: only floating-point (or complex) params can be optimized")
             if not t.is_leaf and not t.retains_grad:
                 raise ValueError(f"param {name!r} (group {i}) is not a leaf tensor: optimize the tensor it was computed from")
             if id(t) in seen_ids:

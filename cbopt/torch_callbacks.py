@@ -195,6 +195,7 @@ def adafactor_step(p, step_size, d, eps1, row_var=None, col_var=None, variance=N
 adafactor_step.defaults = dict(d=1., eps1=None)
 adafactor_step.state = {}
 adafactor_step.scope = 'tensor'
+adafactor_step.supports_complex = False  # factored second moments of a complex param: torch refuses them too
 adafactor_step.torch_names = dict(d='d', beta2_decay='beta2_decay', eps=('eps1', 'eps2'))
 
 
@@ -245,6 +246,7 @@ def muon_step(p, lr, muon_update, ns_a, ns_b, ns_c, ns_steps, eps, adjust_lr_fn,
 muon_step.defaults = dict(ns_a=3.4445, ns_b=-4.775, ns_c=2.0315, ns_steps=5, eps=1e-7, adjust_lr_fn=None)
 muon_step.state = {}
 muon_step.scope = 'tensor'
+muon_step.supports_complex = False  # orthogonalisation of a real matrix (torch refuses complex too)
 muon_step.torch_names = dict(ns_coefficients=('ns_a', 'ns_b', 'ns_c'), ns_steps='ns_steps', adjust_lr_fn='adjust_lr_fn')
 
 

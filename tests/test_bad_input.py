@@ -315,9 +315,10 @@ CASES = [
          lambda e: torch.optim.lr_scheduler.OneCycleLR(cbopt.SGD(e.named(), lr=0.1), max_lr=0.1, total_steps=10),
          ValueError, r"momentum=0\.95 set on a param group whose chain \[weight_decay,sgd_step\] has no 'mom'"),
     # params no chain can step
-    Case('Optimizer-complex-param', lambda e: cbopt.Adam([torch.zeros(2, dtype=torch.cfloat, requires_grad=True)]), TypeError,
-         r"^param '0' \(group 0\) is complex \(torch\.complex64\): cbopt does not step complex params yet: keep its real "
-         r"and imaginary parts as a real param of shape \(\.\.\., 2\) and use torch\.view_as_complex\(param\) in the model$"),
+    Case('Adafactor-complex-param', lambda e: cbopt.Adafactor([torch.zeros(2, dtype=torch.cfloat, requires_grad=True)]),
+         TypeError, r"^param '0' \(group 0\) is complex \(torch\.complex64\), which 'adafactor_step' does not support \(as "
+         r"torch's Adafactor and Muon do not\): keep its real and imaginary parts as a real param of shape \(\.\.\., 2\) "
+         r"and use torch\.view_as_complex\(param\) in the model$"),
     Case('Optimizer-int-param', lambda e: cbopt.SGD([torch.zeros(2, dtype=torch.long)]), TypeError,
          r"param '0' \(group 0\) has dtype torch.int64: only floating-point"),
     # a step is all or nothing: what can be checked is checked before anything changes

@@ -24,7 +24,9 @@ DIFFERENCES = {
                                "(ValueError naming the param): a step is never silently different from what was listed",
     ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
-    ('*', 'complex params'): "refused at construction (TypeError naming the param)",
+    ('*', 'complex params'): "Adafactor and Muon refuse them at construction (TypeError naming the param), torch's at "
+                             "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them "
+                             "(tests/test_complex.py)",
     ('Adam*', 'tensor lr or betas with foreach'): "torch refuses them unless capturable; cbopt runs them in every backend",
     ('*', 'named and unnamed params mixed'): "torch refuses params with and without names in one optimizer; cbopt "
                                              "names the unnamed ones by position",
@@ -33,7 +35,7 @@ DIFFERENCES = {
 ERROR_DIFFERENCES = {'a parameter group with duplicate param': (ValueError, 'only once|same tensor'),
                      'all optimizer params should be with/without names': (None, ''),
                      'all optimizer param groups should be with/without names': (None, ''),
-                     'does not support complex': (TypeError, 'is complex'),
+                     'does not support complex': (TypeError, 'is complex.*does not support'),
                      'as a Tensor is not supported for capturable=False and foreach=True': (None, '')}
 
 

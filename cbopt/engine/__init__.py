@@ -28,7 +28,7 @@ from ..chain import (ENGINE_KEYS, _cb_sig, cb_name, chain_name, model_key, model
 from ..hypers import Hypers
 from .auto import auto_bucket
 from . import buckets as bucketing
-from .buckets import Bucket, model_buckets
+from .buckets import Bucket, as_real, model_buckets
 from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import has_kernel, register_kernel, torch_kernel
@@ -306,15 +306,16 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
             if not ps: continue
             if loss_scale is not None: unscale_grads(ps, loss_scale)
             if id(g) in scales: _scale_grads(ps, scales[id(g)])
-            loop_bucket(opt, Bucket(g, ps, [opt.state[p] for p in ps]), snapshots[id(g)])
+            with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
     for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None):
         hyper, scale = snapshots[id(b.group)], scales.get(id(b.group))
-        if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
-            if (kernel := torch_kernel(b, hyper, scale, loss_scale)) is not None:
-                kernel()
-                continue
-        if loss_scale is not None: unscale_grads(b.params, loss_scale)
-        if scale is not None: _scale_grads(b.params, scale)
-        run(opt, b, hyper)
+        with as_real(b) as b:  # complex params step as torch's do: on their real views
+            if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
+                if (kernel := torch_kernel(b, hyper, scale, loss_scale)) is not None:
+                    kernel()
+                    continue
+            if loss_scale is not None: unscale_grads(b.params, loss_scale)
+            if scale is not None: _scale_grads(b.params, scale)
+            run(opt, b, hyper)

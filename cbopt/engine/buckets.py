@@ -7,7 +7,8 @@ the backend, and a checkpoint saved under one resumes under any other.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -16,7 +17,8 @@ from ..chain import chain_scope, param_chain
 from ..dtensor import layout_key
 from ..tensorlist import TensorList
 
-__all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets']
+__all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets',
+           'as_real']
 
 
 class Bucket(NamedTuple):
@@ -127,3 +129,33 @@ def model_buckets(opt, groups: list) -> list[tuple[TensorList, list]]:
         tl.grad = TensorList([p.grad for p in ps])
         res.append((tl, states))
     return res
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    "A complex tensor as the real tensor of its (real, imaginary) pairs, a view: writes reach it (`torch.view_as_real`)."
+    return torch.view_as_real(t.detach()) if t.is_complex() else t
+
+
+@contextmanager
+def as_real(b: Bucket) -> Iterator[Bucket]:
+    """`b` with its complex params, grads and state viewed as real tensors of shape `(..., 2)`, as torch.optim steps
+    complex params: every callback's math is then the real one, on the real and imaginary parts. In-place updates
+    reach the complex tensors through the views; a new state tensor of a param's real shape is kept complex (as
+    torch's state is), so checkpoints hold the params' own dtype. A bucket of real params is given as it is."""
+    if not any(p.is_complex() for p in b.params):
+        yield b
+        return
+    params, states = [], []
+    for p, st in zip(b.params, b.states):
+        q = _real(p)
+        if q is not p: q.grad = _real(p.grad)
+        params.append(q)
+        states.append({k: _real(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()})
+    views = [dict(st) for st in states]
+    yield Bucket(b.group, params, states)
+    for p, q, st, real, before in zip(b.params, params, b.states, states, views):
+        for k in [k for k in st if k not in real]: del st[k]  # (transient entries the runner dropped)
+        for k, v in real.items():
+            if k in before and v is before[k]: continue  # updated in place: the complex tensor already holds it
+            complex_shaped = q is not p and isinstance(v, torch.Tensor) and v.shape == q.shape and v.dtype == q.dtype
+            st[k] = torch.view_as_complex(v) if complex_shaped else v
