@@ -20,7 +20,7 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
 - `cb.shared = ('grad_avg',)`: entries it creates that another callback of the chain also creates, on purpose.
   Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
 - `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
-  they are not the common ones (`cbopt.state.formats.TORCH_HYPER_KEYS`), so that torch's state_dict loads them;
+  they are not the common ones (`cbopt.hypers.TORCH_HYPER_NAMES`), so that torch's state_dict loads them;
 - `cb.torch_state = dict(momentum_buffer='grad_avg')`: torch.optim's names for the state it creates or reads (torch
   name -> cbopt name), in the algorithm it belongs to (`grad_avg` is Adam's `exp_avg` but SGD's `momentum_buffer`: the
   step callbacks say which), so a torch state_dict loads into the chain and the chain's state_dict can be written in

@@ -20,13 +20,22 @@ from fastcore.foundation import L
 from .chain import chain_name, chain_reads
 
 __all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
-           'ALIASES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
+           'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
-# torch.optim's names of fastai's hypers, accepted wherever hypers are given (keywords, group dicts) and stored under
-# cbopt's names: a tuple of names takes a sequence of as many values (`betas=(0.9, 0.99)`: `mom`, `sqr_mom`)
-TORCH_NAMES: dict[str, str | tuple[str, ...]] = {'weight_decay': 'wd', 'betas': ('mom', 'sqr_mom')}
+# torch.optim's group entries and the cbopt hypers they are (a tuple of names takes a sequence of as many values:
+# `betas=(0.9, 0.99)` are `mom`, `sqr_mom`), the one table of torch's hyper names: a torch state_dict's groups are read
+# with it and cbopt's written for a torch class (`cbopt.state.formats`; a callback whose torch algorithm names a hyper
+# otherwise declares it, `cb.torch_names`: ASGD's `alpha` is not RMSprop's), and its `UNIVERSAL` names are accepted
+# wherever hypers are given (keywords, group dicts), as they name one hyper in every algorithm
+TORCH_HYPER_NAMES: dict[str, str | tuple[str, ...]] = {
+    'weight_decay': 'wd', 'betas': ('mom', 'sqr_mom'), 'lr': 'lr', 'eps': 'eps', 'momentum': 'mom', 'alpha': 'sqr_mom',
+    'dampening': 'dampening', 'initial_lr': 'initial_lr', 'lr_decay': 'lr_decay', 'rho': 'sqr_mom',
+    'momentum_decay': 'momentum_decay', 'lambd': 'lambd', 't0': 't0',
+    'initial_accumulator_value': 'initial_accumulator_value'}
+UNIVERSAL = ('weight_decay', 'betas')  # (`momentum` is a true alias of `mom` in every group: ALIASES)
+TORCH_NAMES = {k: TORCH_HYPER_NAMES[k] for k in UNIVERSAL}  # the torch names every optimizer takes as keywords
 
 
 def from_torch_names(hypers: Mapping, names: Mapping[str, str | tuple[str, ...]] = TORCH_NAMES, where: str = '') -> dict:

@@ -11,20 +11,17 @@ from typing import Any, NamedTuple
 import torch
 
 from ..chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
+from ..hypers import TORCH_HYPER_NAMES
 from .flags import split_flags
 
-__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_HYPER_KEYS', 'TORCH_OPTIONAL_STATE',
+__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
            'chain_flags', 'torch_state', 'torch_model_state', 'torch_model_entries']
 
-# torch's group entries -> cbopt's hypers (a tuple of torch's, as `betas`, spreads over several); a callback whose
-# torch algorithm names a hyper otherwise declares it, `cb.torch_names` (ASGD's `alpha` is not RMSprop's). torch's
-# state names are declared by the callbacks that create or read each entry, `cb.torch_state` (`cbopt.chain`): one
+# torch's group entries -> cbopt's hypers: `cbopt.hypers.TORCH_HYPER_NAMES`, and what callbacks declare (`cb.torch_names`).
+# torch's state names are declared by the callbacks that create or read each entry, `cb.torch_state` (`cbopt.chain`): one
 # cbopt entry has different torch names in different algorithms (`grad_avg` is Adam's `exp_avg`, SGD's `momentum_buffer`)
-TORCH_HYPER_KEYS = {'lr': 'lr', 'eps': 'eps', 'betas': ('mom', 'sqr_mom'), 'weight_decay': 'wd', 'momentum': 'mom', 'alpha': 'sqr_mom',
-                    'dampening': 'dampening', 'initial_lr': 'initial_lr',
-                    'lr_decay': 'lr_decay', 'rho': 'sqr_mom', 'momentum_decay': 'momentum_decay', 'lambd': 'lambd',
-                    't0': 't0', 'initial_accumulator_value': 'initial_accumulator_value'}  # Adagrad, Adadelta, NAdam, ASGD
+
 # torch's flags that choose the algorithm, which cbopt chooses by listing a callback: the callback declaring
 # `cb.torch_flag = 'amsgrad'` is in the chain exactly when torch's group says amsgrad=True (a chain that reads the
 # name as a hyper takes it as one: Muon's `nesterov`)
@@ -37,7 +34,7 @@ TORCH_STEPLESS = ('SGD', 'Muon')  # torch's classes that keep no step count (eve
 
 def torch_hyper_names(cbs) -> dict:
     "torch's group entries -> cbopt's hypers for the chain `cbs`: the common table, and what its callbacks declare."
-    names = dict(TORCH_HYPER_KEYS)
+    names = dict(TORCH_HYPER_NAMES)
     for cb in cbs: names.update(getattr(unwrap(cb), 'torch_names', None) or {})
     return names
 
