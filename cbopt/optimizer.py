@@ -94,6 +94,7 @@ class Optimizer(torch.optim.Optimizer):
         for alias, canon in ALIASES.items():  # e.g. OneCycleLR looks for 'momentum' in defaults
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
         self.frozen_idx, self._given, self._building = 0, set(defaults), True
+        self.group_layers: list[int] | None = None  # the user's group each param group came from, if a recipe split them
         self.step_stats: dict = {}  # what the last step used: see `engine.run_step` and the README
         super().__init__(groups, scalar_defaults)
         self._building = False
@@ -132,7 +133,30 @@ class Optimizer(torch.optim.Optimizer):
         for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
         self.param_groups.append(g)
-        if not self._building: engine.init_model_state(self)
+        if not self._building:
+            if self.group_layers is not None:  # a layer group of its own
+                self.group_layers.append(self._n_layers)
+                self._n_layers += 1
+            engine.init_model_state(self)
+
+    @property
+    def layers(self) -> list[int]:
+        """The layer group (the user's group, as a splitter or group dicts gave it) of each param group: their own
+        index, unless a recipe split the given groups (Muon: each into its matrices and the rest)."""
+        return list(range(len(self.param_groups))) if self.group_layers is None else list(self.group_layers)
+
+    @property
+    def n_layers(self) -> int:
+        "How many layer groups the user gave (`freeze_to` counts these)."
+        return len(self.param_groups) if self.group_layers is None else self._n_layers
+
+    def split_groups(self, layers: list[int], n_layers: int) -> None:
+        """Record that param group `i` came from the user's group `layers[i]` of `n_layers` (a recipe that splits each
+        given group, as Muon does), so that `freeze_to` counts the user's groups."""
+        if len(layers) != len(self.param_groups) or any(not 0 <= l < n_layers for l in layers):
+            raise ValueError(f"split_groups: {len(layers)} layer indices for {len(self.param_groups)} param groups, each "
+                             f"in 0..{n_layers - 1}, got {layers}")
+        self.group_layers, self._n_layers = list(layers), n_layers
 
     @property
     def params(self) -> list[torch.Tensor]: return [p for g in self.param_groups for p in g['params']]
@@ -178,16 +202,19 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- freezing ------------------------------------------------------------------------------------------------
     def freeze_to(self, n: int) -> None:
-        "Train only the groups from `n` on; earlier groups keep training only params flagged `force_train`."
+        """Train only the layer groups from `n` on; earlier ones keep training only params flagged `force_train`. `n`
+        counts the user's groups (`n_layers`): a recipe that splits each given group (Muon) freezes both halves."""
         if isinstance(n, bool) or not isinstance(n, int): raise TypeError(f"freeze_to takes a group index (an int), got {n!r}")
-        self.frozen_idx = n if n >= 0 else len(self.param_groups) + n
-        if self.frozen_idx >= len(self.param_groups):
-            warnings.warn(f"Freezing {self.frozen_idx} groups; model has {len(self.param_groups)}; whole model is frozen.")
-        for p, _, state, _ in self.all_params(slice(n, None)): p.requires_grad_(True)
-        for p, _, state, _ in self.all_params(slice(None, n)): p.requires_grad_(state.get('force_train', False))
+        total = self.n_layers
+        self.frozen_idx = n if n >= 0 else total + n
+        if self.frozen_idx >= total:
+            warnings.warn(f"Freezing {self.frozen_idx} groups; model has {total}; whole model is frozen.")
+        for layer, g in zip(self.layers, self.param_groups):
+            for p in g['params']:
+                p.requires_grad_(layer >= self.frozen_idx or self.state[p].get('force_train', False))
 
     def freeze(self) -> None:
-        if len(self.param_groups) < 2: raise ValueError("freeze() needs at least two param groups (use a splitter)")
+        if self.n_layers < 2: raise ValueError("freeze() needs at least two param groups (use a splitter)")
         self.freeze_to(-1)
 
     def unfreeze(self) -> None: self.freeze_to(0)
@@ -335,5 +362,6 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     for p in opt.params:
         if p in opt.state: res.state[p] = opt.state[p]
     res.frozen_idx = opt.frozen_idx
+    if opt.group_layers is not None: res.split_groups(opt.group_layers, opt.n_layers)
     engine.init_model_state(res)
     return res

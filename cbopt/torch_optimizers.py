@@ -164,7 +164,7 @@ def Muon(params: Any, lr: float | slice = 1e-3, wd: float = 0.1, mom: float = 0.
     muon = dict(lr=lr, wd=wd, mom=mom, nesterov=nesterov, ns_a=a, ns_b=b, ns_c=c, ns_steps=ns_steps, eps=eps,
                 adjust_lr_fn=adjust_lr_fn)
     per_group = {k: expand_hyper(k, v, len(given)) for k, v in muon.items()}  # lr=slice(...) spreads as fastai's
-    groups, names = [], set()
+    groups, layers, names = [], [], set()
     for i, g in enumerate(given):
         muon = {k: vs[i] for k, vs in per_group.items()}
         own = {k: v for k, v in g.items() if k not in ('params', 'param_names')}
@@ -177,6 +177,9 @@ def Muon(params: Any, lr: float | slice = 1e-3, wd: float = 0.1, mom: float = 0.
         if ours: groups.append({**muon, **own, 'params': [p for _, p in ours], 'param_names': [n for n, _ in ours]})
         if rest: groups.append({**ADAMW, **(adamw or {}), 'cbs': maximizing(adam_chain(), maximize),
                                 'params': [p for _, p in rest], 'param_names': [n for n, _ in rest]})
+        layers += [i] * (bool(ours) + bool(rest))
     if not callable(muon_params) and (unknown := chosen - names):
         raise KeyError(f"muon_params names {sorted(unknown)}, which are not among the params")
-    return Optimizer(groups, maximizing(muon_chain(), maximize), backend=backend)
+    opt = Optimizer(groups, maximizing(muon_chain(), maximize), backend=backend)
+    opt.split_groups(layers, len(given))  # freeze_to counts the given groups, each split in two here
+    return opt

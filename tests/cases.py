@@ -48,8 +48,8 @@ class Case:
       checked with both under `CBOPT_SLOW=1`. Compiling costs seconds per chain on CPU, hence a selection.
     - `inductor_graphs`: graphs inductor compiles for the 12-step check of `test_fused_inductor`, where known.
     - `tensor_scope`: a callback of its chain reduces over a whole param (a norm): `cb.scope == 'tensor'`.
-    - `splits_groups`: it splits each given group in two (Muon's matrices, AdamW's rest), so group indices
-      (`freeze_to`) count its own groups, not the given ones.
+    - `splits_groups`: it splits each given group in two (Muon's matrices, AdamW's rest): its param groups are not
+      the given ones (`freeze_to` still counts the given ones: `opt.layers`).
     """
     id: str
     build: Callable[..., cbopt.Optimizer]

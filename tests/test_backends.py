@@ -172,7 +172,7 @@ def test_edge_cases(c, backend):
     exact = backend == 'foreach' and c.bit_exact_foreach or backend == 'auto' and not c.has_torch_kernel
     assert_rel_close(ours, ref, **(EXACT if exact else {}))
     assert [opt.state[p].keys() for p in opt.params] == [ref_opt.state[p].keys() for p in ref_opt.params]
-    if not c.splits_groups: assert set(opt.state[ours[0].bias]) == {'do_wd'}  # frozen: never stepped
+    assert set(opt.state[ours[0].bias]) == {'do_wd'}  # frozen (Muon: both halves of the given group 0): never stepped
 
 
 @pytest.mark.parametrize('backend', ['foreach', 'auto'])

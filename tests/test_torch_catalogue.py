@@ -602,3 +602,27 @@ def test_muon_fastai_opt_func():
         with torch.enable_grad(): F.mse_loss(model(x[8 * i:8 * i + 8]), y[8 * i:8 * i + 8]).backward()
         opt.step()
     assert_same(learn.model, model)
+
+
+def test_muon_freeze_to_counts_the_given_groups():
+    """cbopt.Muon splits each given group into its matrices (Muon) and the rest (AdamW): `freeze_to(n)` counts the given
+    groups, freezing both halves of each, and so do `freeze()`, a new group and a wrapper."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3))
+    given = [list(model[0].named_parameters(prefix='0')), list(model[2].named_parameters(prefix='2'))]
+    opt = Muon(given, muon_params=lambda n, p: p.ndim == 2)
+    assert len(opt.param_groups) == 4 and opt.layers == [0, 0, 1, 1] and opt.n_layers == 2
+    opt.freeze_to(1)
+    assert [p.requires_grad for p in model[0].parameters()] == [False, False]
+    assert all(p.requires_grad for p in model[2].parameters())
+    opt.unfreeze()
+    opt.freeze()  # = freeze_to(-1): the last given group trains
+    assert [p.requires_grad for p in (*model[0].parameters(), *model[2].parameters())] == [False, False, True, True]
+    wrapped = cbopt.Lookahead(opt)
+    assert wrapped.layers == [0, 0, 1, 1] and wrapped.frozen_idx == 1
+    wrapped.add_param_group({'params': list(model[4].parameters())})
+    assert wrapped.layers == [0, 0, 1, 1, 2] and wrapped.n_layers == 3
+    wrapped.freeze_to(2)
+    assert not any(p.requires_grad for p in (*model[0].parameters(), *model[2].parameters()))
+    assert all(p.requires_grad for p in model[4].parameters())
+    with pytest.raises(ValueError, match="split_groups: 2 layer indices for 5 param groups"): wrapped.split_groups([0, 1], 2)
