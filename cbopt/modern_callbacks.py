@@ -153,17 +153,26 @@ stable_adamw_step.additive = True
 
 
 # -- schedule-free SGD and AdamW (schedulefree's SGDScheduleFree and AdamWScheduleFree: Defazio et al. 2024) --------
-def schedule_free_weight(p, lr, step, warmup_steps, r, weight_lr_power, weight_sum=0., lr_max=-1., **kwargs):
+def _float64(value: float):
+    "Initializer: a 0-d float64 tensor on the param's device, a running number torch.compile neither guards nor specializes on."
+    def init(p) -> torch.Tensor: return p.data.new_full((), value, dtype=torch.float64)  # (one per param of a bucket)
+    return init
+
+
+def schedule_free_weight(p, lr, step, warmup_steps, r, weight_lr_power, weight_sum=None, lr_max=None, **kwargs):
     """Schedule-free's lr for this step (linear warmup over `warmup_steps`) and the weight `ckp1` of the new point in
     the average: `step**r * lr_max**weight_lr_power` over their running sum (schedulefree keeps these per group, cbopt
-    per param, as the step count; they agree when every param steps every time)."""
-    lr = lr * (step / warmup_steps if step <= warmup_steps else 1.)
-    lr_max = torch.sym_max(lr, lr_max)  # max(), without specializing torch.compile on the value
-    weight = step ** r * lr_max ** weight_lr_power
+    per param, as the step count; they agree when every param steps every time). `weight_sum` and `lr_max` are 0-d
+    float64 tensors (schedulefree's Python floats, in the same precision), so the compiled chain never recompiles."""
+    if weight_sum is None: weight_sum, lr_max = _float64(0.)(p), _float64(-1.)(p)
+    lr = lr * torch.sym_min(step / torch.sym_max(warmup_steps, 1), 1.)  # warmup, with no branch to recompile on
+    lr_max = lr_max.clamp(min=lr)  # max(lr_max, lr); new tensors, not in place (seen lost by aot_eager's graphs)
+    weight = lr_max.pow(weight_lr_power).mul_(step ** r)
     weight_sum = weight_sum + weight
-    return {'weight_sum': weight_sum, 'lr_max': lr_max, 'sf_lr': lr, 'ckp1': weight / weight_sum if weight_sum else 0.}
+    ckp1 = torch.where(weight_sum > 0, weight.div_(weight_sum), 0.)  # (a zero sum has zero weights: lr 0 so far)
+    return {'weight_sum': weight_sum, 'lr_max': lr_max, 'sf_lr': lr, 'ckp1': ckp1}
 schedule_free_weight.defaults = dict(warmup_steps=0, r=0., weight_lr_power=2.)
-schedule_free_weight.state = dict(weight_sum=0., lr_max=-1.)
+schedule_free_weight.state = dict(weight_sum=_float64(0.), lr_max=_float64(-1.))
 schedule_free_weight.transient = ('sf_lr', 'ckp1')
 
 
@@ -180,7 +189,7 @@ def schedule_free_step(p, sf_lr, ckp1, mom, z=None, **kwargs):
     `opt.eval()` swaps the average `x` into the params, `opt.train()` swaps `y` back (`on_eval`, `on_train`)."""
     if z is None: z = p.data.clone()
     p.data.lerp_(z, ckp1)
-    p.data.add_(p.grad.data, alpha=sf_lr * (mom * (1 - ckp1) - 1))
+    p.data.addcmul_(p.grad.data, sf_lr * (mom * (1 - ckp1) - 1))  # add_(alpha=) bit for bit, with a 0-d tensor
     z.sub_(p.grad.data, alpha=sf_lr)
     return {'z': z}
 schedule_free_step.defaults = dict(mom=0.9, train_mode=False)

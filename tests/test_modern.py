@@ -5,6 +5,7 @@ For every config: 40+ steps on a tiny MLP with real grads follow the reference c
 each tensor's own scale, in the `loop` and `foreach` backends, foreach bit for bit with loop and with no warning (no
 param-by-param fallback). Each also trains a fastai Learner as its `opt_func` as the reference does through fastai's
 `OptimWrapper`. (Backends, resume, weights_only checkpoints and check_callback: the registry cases in cases.py.)"""
+import copy
 import warnings
 from functools import partial
 
@@ -201,3 +202,33 @@ def test_schedule_free_validates_on_the_average_in_a_fastai_learner():
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert all(abs(a - b) > 1e-4 * b for a, b in zip(ours, at_y))  # the training point's losses differ: eval() matters
     assert_rel_close(learn.model, model, rtol=1e-5)  # after fit: the averaged weights, as after opt.eval()
+
+
+@pytest.mark.parametrize('name', ['sf-sgd-hypers', 'sf-adamw-hypers'])
+def test_schedule_free_compiles_without_recompiles(name):
+    """The fused backend compiles schedule-free's chain once per shape and never recompiles (the weight sums are 0-d
+    tensors in state, the warmup has no branch), through warmup and after: no fallback warning, and the same numbers
+    as the loop (within float-op reordering: 1e-6 of each tensor's scale)."""
+    from torch._dynamo.utils import counters
+    backend = cbopt.Backend('fused', compiler='aot_eager')
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fused, opt = cbopt_run(name, backend, steps=15)  # (warnings are errors: a compile failure warns)
+    assert counters['stats']['unique_graphs'] >= 1 and not counters['recompiles']
+    loop, _ = cbopt_run(name, 'loop', steps=15)
+    assert_rel_close(fused, loop, rtol=1e-6)
+    st = opt.state[next(fused.parameters())]
+    assert st['weight_sum'].ndim == 0 and st['weight_sum'].dtype == torch.float64 and st['lr_max'].dtype == torch.float64
+
+
+def test_schedule_free_loads_checkpoints_with_number_sums():
+    "A checkpoint from when the weight sums were Python numbers loads (as 0-d tensors) and goes on bit for bit."
+    model, opt = cbopt_run('sf-adamw-hypers', 'loop', steps=10)
+    ref, ref_opt = copy.deepcopy(model), None
+    sd = opt.state_dict()
+    for st in sd['state'].values(): st['weight_sum'], st['lr_max'] = st['weight_sum'].item(), st['lr_max'].item()
+    ref_opt = CASES['sf-adamw-hypers'][0](ref.named_parameters(), backend='loop')
+    ref_opt.load_state_dict(sd)
+    assert torch.is_tensor(ref_opt.state[next(ref.parameters())]['weight_sum'])
+    train(opt, model, 5, start=10), train(ref_opt, ref, 5, start=10)
+    assert_same_params(ref, model)

@@ -274,6 +274,8 @@ def _pooled_model_entries(ck: Checkpoint) -> dict:
 def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
     "`value` from a checkpoint made like `like` (this optimizer's own value): same kind, shape, device and dtype."
     if isinstance(like, torch.Tensor):
+        if isinstance(value, Number) and not isinstance(value, bool) and like.ndim == 0:  # a number kept as a 0-d tensor
+            return torch.tensor(value, dtype=like.dtype, device=like.device)  # now (schedule-free's sums): old checkpoints
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state {key!r} of param {name!r} is a {type(value).__name__} in the state_dict, a Tensor here")
         if value.shape != like.shape:
