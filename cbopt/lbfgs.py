@@ -127,6 +127,7 @@ def lbfgs(params, groups, closure: Callable, loss, lr, max_iter, max_eval, toler
     return dict(func_evals=func_evals, n_iter=n_iter, d=d, t=as_float(t), old_dirs=old_dirs, old_stps=old_stps, ro=ro,
                 H_diag=as_float(H_diag), prev_flat_grad=prev_flat_grad, prev_loss=prev_loss)
 lbfgs.scope = 'model'
+lbfgs.supports_complex = False  # a whole-model callback: not run on complex params' real views (torch's LBFGS is)
 lbfgs.uses_closure = True
 lbfgs.defaults = dict(lr=1, max_iter=20, max_eval=None, tolerance_grad=1e-7, tolerance_change=1e-9, history_size=100,
                       line_search_fn=None)

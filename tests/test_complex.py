@@ -13,8 +13,9 @@ from cases import CASES, Case
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
-COMPLEX = {info.optim_cls.__name__: info for info in optim_db
-           if hasattr(cbopt.optim, info.optim_cls.__name__) and info.supports_complex}
+NOT_YET = {'LBFGS': "a whole-model callback: complex params' real views are made for per-param chains only"}
+COMPLEX = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)
+           and info.supports_complex and info.optim_cls.__name__ not in NOT_YET}
 REFUSED = [info.optim_cls.__name__ for info in optim_db
            if hasattr(cbopt.optim, info.optim_cls.__name__) and not info.supports_complex]
 STEPS = 8
@@ -96,12 +97,18 @@ def test_complex_state_dicts_load_both_ways(name):
 @pytest.mark.parametrize('name', REFUSED)
 def test_refused_where_torch_refuses(name):
     "torch's Adafactor and Muon refuse complex params (at the step); cbopt's, at construction, naming the param."
-    ps = complex_params()
+    ps = complex_params()[:1] if name == 'Muon' else complex_params()  # (Muon takes matrices only)
     with pytest.raises(TypeError, match=r"param '0' \(group 0\) is complex \(torch.complex64\), which '\w+' does not "
                                         r"support"):
         getattr(cbopt.optim, name)(ps)
-    recipe = getattr(cbopt, name)
-    with pytest.raises(TypeError, match="is complex"): recipe([ps[0]] if name == 'Muon' else ps)
+    with pytest.raises(TypeError, match="is complex"): getattr(cbopt, name)(ps)
+
+
+@pytest.mark.parametrize('name', sorted(NOT_YET))
+def test_not_yet_refused_by_name(name):
+    "Where cbopt does not step complex params yet though torch does (`NOT_YET`), it refuses them by name when built."
+    with pytest.raises(TypeError, match=r"param '0' \(group 0\) is complex .* does not support"):
+        getattr(cbopt.optim, name)(complex_params())
 
 
 def as_real_params(ps: list) -> list[torch.Tensor]:
