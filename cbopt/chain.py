@@ -46,7 +46,9 @@ them (`split_chain`). Its declarations:
   returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);
   returning `grad_scale=t` (a 0-d tensor) multiplies every grad the rest of the step sees by `t`, never writing the
   user's grads: under torch's fused kernel each cache-sized run of grads is scaled into a buffer just before the
-  kernel reads it, other runners get scaled copies (clip_grad_norm's coefficient).
+  kernel reads it, other runners get scaled copies (clip_grad_norm's coefficient); with `grad_scale_in_place=True`
+  too (`clip_grad_norm(in_place=True)`), `t` is written into the grads instead, when the step runs (torch's kernel
+  divides them by `1 / t` in its own pass; other runners multiply them in place first).
 
 This module imports nothing from cbopt: every other module may import it.
 """
@@ -65,7 +67,7 @@ __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads
            'model_param_state', 'model_key', 'around_params']
 
 SCOPES = ('element', 'tensor', 'model')
-ENGINE_KEYS = ('skip', 'hypers', 'grad_scale')  # what a whole-model callback may return to the engine, beside its state
+ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
 
 
 def unwrap(cb: Callable) -> Callable:

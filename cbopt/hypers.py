@@ -185,7 +185,7 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'tolerance_change': ('Invalid tolerance_change value', 'tolerance_change >= 0', '', _is_in(0)),
 }
 INT_HYPERS = ('k', 'every', 'max_iter', 'history_size')
-FLAG_HYPERS = ('nesterov', 'clip', 'train_mode')  # on/off switches: bools only
+FLAG_HYPERS = ('nesterov', 'clip', 'train_mode', 'in_place')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
 
 

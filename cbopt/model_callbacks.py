@@ -5,7 +5,8 @@ with a grad as a list of `TensorList`s (one per device and dtype, each with `.gr
 (`torch.linalg.vector_norm(tl)` is one `torch._foreach_norm`) and one `torch.stack`, never a Python loop over params.
 A callback changing the grads the rest of the step sees rebinds `tl.grad` out of place (`tl.grad = tl.grad * coef`),
 never writing into it: the engine hands the new grads to the params for the step, then gives each param its own grad
-back (the grad contract: a step leaves the user's `p.grad` as it was). It declares `scope = 'model'`, its hypers (`defaults`), its own state (`state`: numbers, kept in the group entries as
+back (the grad contract: a step leaves the user's `p.grad` as it was). The clips break it only when asked
+(`in_place=True`: the clipped grads are left in `p.grad`, as torch's clip functions leave them). It declares `scope = 'model'`, its hypers (`defaults`), its own state (`state`: numbers, kept in the group entries as
 `'<name>.<key>'`), per-param buffers (`param_state`) and what it returns for one step only (`transient`). Returning
 `skip=True` ends the step with nothing else changed; `hypers=[...]` sets its groups' hypers for this step. See
 `cbopt.chain` and `cbopt.engine` for the contract, `cbopt.wrappers` for torchrec's and fastai-style wrappers.
@@ -69,16 +70,22 @@ def _max_abs_across_shards(tl) -> torch.Tensor:
     return across_shards(own, tl.grad[0], 'max')
 
 
-def clip_grad_norm(params, max_norm, norm_type=2.0, **kwargs):
+def clip_grad_norm(params, max_norm, norm_type=2.0, in_place=False, **kwargs):
     """Scale all grads by `min(1, max_norm / (total_norm + 1e-6))` (torch's `clip_grad_norm_`, and torchrec's NORM);
-    the pre-clip `grad_norm` is reported (`opt.step_stats['grad_norm']`, `opt.last_total_grad_norm`)."""
+    the pre-clip `grad_norm` is reported (`opt.step_stats['grad_norm']`, `opt.last_total_grad_norm`).
+
+    `in_place=False` (the grad contract): the step sees the clipped grads, the user's `p.grad` stays as it was.
+    `in_place=True` (torch's and torchrec's behaviour): the grads themselves are clipped, as `clip_grad_norm_` leaves
+    them, in the step's own pass where torch's fused kernel steps (its `grad_scale` divisor, `1 / coefficient`, which
+    it stores back into the grads), by one in-place multiply before the chain otherwise. The engine applies the
+    coefficient when the step runs (or before a later whole-model callback reads the grads), so a step skipped
+    before that leaves the grads as they were."""
     total = total_grad_norm(params, float(norm_type))
     if not params: return {'grad_norm': total}
-    # the engine multiplies the grads by it where the step reads them (torch's fused kernel: cache-sized scaled runs
-    # just before the kernel reads them), so the user's grads stay as they are
-    return {'grad_norm': total, 'grad_scale': torch.clamp(max_norm / (total + 1e-6), max=1.0)}
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return {'grad_norm': total, 'grad_scale': coef, 'grad_scale_in_place': bool(in_place)}
 clip_grad_norm.scope = 'model'
-clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0)  # fastai's GradientClip defaults
+clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0, in_place=False)  # fastai's GradientClip defaults
 clip_grad_norm.state = {}
 clip_grad_norm.transient = ('grad_norm',)
 
@@ -93,11 +100,15 @@ grad_norm.state = {}
 grad_norm.transient = ('grad_norm',)
 
 
-def clip_grad_value(params, clip_value, **kwargs):
-    "Clamp every grad element to `[-clip_value, clip_value]` (torch's `clip_grad_value_`, torchrec's VALUE)."
-    for tl in params: tl.grad = tl.grad.clamp(-clip_value, clip_value)  # out of place
+def clip_grad_value(params, clip_value, in_place=False, **kwargs):
+    """Clamp every grad element to `[-clip_value, clip_value]` (torch's `clip_grad_value_`, torchrec's VALUE): out of
+    place by default (the user's `p.grad` stays as it was), or, `in_place=True`, into the grads the step sees (the
+    user's, as `clip_grad_value_` leaves them, unless an earlier whole-model callback replaced them for the step)."""
+    for tl in params:
+        if in_place: tl.grad.clamp_(-clip_value, clip_value)  # torch's foreach clamp_min_ then clamp_max_
+        else: tl.grad = tl.grad.clamp(-clip_value, clip_value)
 clip_grad_value.scope = 'model'
-clip_grad_value.defaults = dict(clip_value=1.0)
+clip_grad_value.defaults = dict(clip_value=1.0, in_place=False)
 clip_grad_value.state = {}
 
 

@@ -34,21 +34,25 @@ def wrap(opt: Optimizer, *cbs: Callable, **hypers) -> Optimizer:
 def GradientClippingOptimizer(optimizer: Optimizer, clipping: GradientClipping = GradientClipping.NONE,
                               max_gradient: float = 0.1, norm_type: float | str = 2.0,
                               enable_global_grad_clip: bool = False, param_to_pgs: dict | None = None,
-                              track_grad_norm: bool = False) -> Optimizer:
+                              track_grad_norm: bool = False, in_place: bool = False) -> Optimizer:
     """torchrec's gradient clipping: NORM scales all grads by `min(1, max_gradient / (total_norm + 1e-6))`, VALUE
     clamps them to `[-max_gradient, max_gradient]`, NONE steps as `optimizer`. The pre-clip norm is
     `opt.last_total_grad_norm` (and `opt.step_stats['grad_norm']`): with NORM always, with VALUE and NONE when
-    `track_grad_norm` (torchrec's flag: computing it costs a pass over the grads). Sharded global clipping
+    `track_grad_norm` (torchrec's flag: computing it costs a pass over the grads). `in_place=True` leaves the clipped
+    grads in `p.grad`, as torchrec's wrapper and torch's clip functions do (and costs no pass of its own under torch's
+    fused kernel); the default leaves the user's grads as they were (cbopt's grad contract). Sharded global clipping
     (`enable_global_grad_clip`, `param_to_pgs`) is not supported."""
     if enable_global_grad_clip or param_to_pgs:
         raise NotImplementedError("cbopt's GradientClippingOptimizer clips over the local params only: "
                                   "enable_global_grad_clip / param_to_pgs are not supported")
     clipping = GradientClipping(clipping)
+    if not isinstance(in_place, bool): raise TypeError(f"in_place must be True or False, got {in_place!r}")
     if clipping is GradientClipping.NORM:
-        return wrap(optimizer, clip_grad_norm, max_norm=max_gradient, norm_type=float(norm_type))
+        return wrap(optimizer, clip_grad_norm, max_norm=max_gradient, norm_type=float(norm_type), in_place=in_place)
     track = dict(norm_type=float(norm_type)) if track_grad_norm else {}
     if clipping is GradientClipping.VALUE:
-        return wrap(optimizer, *([grad_norm] if track else []), clip_grad_value, clip_value=max_gradient, **track)
+        return wrap(optimizer, *([grad_norm] if track else []), clip_grad_value, clip_value=max_gradient,
+                    in_place=in_place, **track)
     return wrap(optimizer, grad_norm, **track) if track else wrap(optimizer, _no_clip)
 
 

@@ -122,10 +122,12 @@ def test_whole_model_callbacks_see_unscaled_grads():
 
 
 def test_torchs_kernel_stores_the_divided_grads():
-    """Why `clip_grad_norm`'s coefficient is not handed to torch's kernel as its `grad_scale` (1 / coefficient): the
-    kernel stores the divided grads back into the grads it is given (ATen's CPU kernel, `FusedAdamKernel.cpp`), which
-    is right for GradScaler's scale but would clip the user's `p.grad` (the grad contract). If this fails, torch
-    changed, and the clipped fused step can drop its scaled copies (`cbopt.engine.kernels._scaled_slices`)."""
+    """Why `clip_grad_norm`'s coefficient goes to torch's kernel as its `grad_scale` (1 / coefficient) only with
+    `in_place=True`: the kernel stores the divided grads back into the grads it is given (ATen's CPU kernel,
+    `FusedAdamKernel.cpp`), which is right for GradScaler's scale and for clipping in place (tests/test_clip_in_place.py
+    relies on it), but by default would clip the user's `p.grad` (the grad contract). If this fails, torch changed:
+    the default clipped fused step can drop its scaled copies (`cbopt.engine.kernels._scaled_slices`), and the in-place
+    one must write the clipped grads itself."""
     g = torch.Generator().manual_seed(0)
     p, grad = torch.randn(100, generator=g), torch.randn(100, generator=g)
     given, m, v = grad.clone(), torch.zeros(100), torch.zeros(100)

@@ -13,8 +13,9 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
    streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
 6. A whole train step on the demo's MLP: forward, `torch.func.grad` and `cbopt.functional(cbopt.Adam)`'s update,
    compiled with `fullgraph=True` (and eager), against eager `loss.backward()` + `cbopt.Adam.step()`.
-7. Global-norm clipping on the GPT-2 set: cbopt's fused Adam under `GradientClippingOptimizer` against torch's fused
-   AdamW after `clip_grad_norm_(foreach=True)`, and against cbopt's own fused step without clipping.
+7. Global-norm clipping on the GPT-2 set: cbopt's fused Adam under `GradientClippingOptimizer` (default, and
+   `in_place=True`) against torch's fused AdamW after `clip_grad_norm_(foreach=True)`, and against cbopt's own fused
+   step without clipping.
 8. `InBackward` on a model of GPT-2-small's shapes (tied and untied embeddings): the peak memory of forward + backward
    + step against the normal step (each in a fresh subprocess), and the time of both, interleaved.
 9. The optimizer state each rank holds under DDP, ZeRO and FSDP2, on 2 gloo processes, on the GPT-2 set
@@ -99,7 +100,10 @@ CLIP_NORM = 5e-3  # below the grads' norm on both the GPT-2 set and the numerics
 
 
 def clip_contenders() -> dict[str, Callable]:
-    "cbopt's fused Adam clipped by its wrapper, and torch's fused AdamW after torch's clip_grad_norm_ (foreach)."
+    """cbopt's fused Adam clipped by its wrapper (the default, leaving the user's grads as they were, and `in_place`,
+    clipping them as torch does), and torch's fused AdamW after torch's clip_grad_norm_ (foreach). The timed rounds
+    share one set of grads, which torch's clip and the in-place one scale each step: every step still clips (the
+    norm stays just above max_norm, see `CLIP_NORM`), and each contender runs the same ops whatever the values."""
     kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
     def torch_clipped(ps):
         params = [p for _, p in ps]
@@ -108,9 +112,11 @@ def clip_contenders() -> dict[str, Callable]:
             torch.nn.utils.clip_grad_norm_(params, CLIP_NORM, foreach=True)
             opt.step()
         return step
-    cbopt_clipped = lambda ps: cbopt.GradientClippingOptimizer(cbopt.Adam(ps, **ADAM, backend='fused'),
-                                                               cbopt.GradientClipping.NORM, max_gradient=CLIP_NORM).step
-    return {'cbopt fused + clip': cbopt_clipped, 'torch fused + clip_grad_norm_': torch_clipped}
+    def cbopt_clipped(ps, in_place=False):
+        return cbopt.GradientClippingOptimizer(cbopt.Adam(ps, **ADAM, backend='fused'), cbopt.GradientClipping.NORM,
+                                               max_gradient=CLIP_NORM, in_place=in_place).step
+    return {'cbopt fused + clip': cbopt_clipped, 'cbopt fused + clip, in_place': lambda ps: cbopt_clipped(ps, True),
+            'torch fused + clip_grad_norm_': torch_clipped}
 
 
 def unclipped_contenders() -> dict[str, Callable]:

@@ -231,7 +231,7 @@ def _run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
     stats: dict = {'skipped': False}
     staged = []  # (group, {entry: value}): committed once no callback skips the step
-    scales: dict = {}  # id(group) -> the grad scale its params' grads still owe (see `_owe_scale`)
+    scales: dict = {}  # id(group) -> (the grad scale its params' grads still owe, whether to write it into them)
     for cb, groups in plan[0]:
         _pay_scales(opt, scales)
         out = _run_model_cb(opt, cb, groups, snapshots, evaluation)
@@ -248,8 +248,8 @@ def _run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None
                 raise ValueError(f"whole-model callback {cb_name(cb)!r} returned hypers for {len(hs)} groups, not {len(groups)}")
             for g, h in zip(groups, hs): overrides.setdefault(id(g), {}).update(h)
             snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
-        if out.get('grad_scale') is not None:
-            for g in groups: scales[id(g)] = out['grad_scale'] if id(g) not in scales else scales[id(g)] * out['grad_scale']
+        if out.get('grad_scale') is not None:  # (paid before the next whole-model callback: at most one is owed)
+            for g in groups: scales[id(g)] = (out['grad_scale'], bool(out.get('grad_scale_in_place')))
     else:
         for g, new in staged: g.update(new)
         _run_buckets(opt, snapshots, scales=scales)
@@ -266,12 +266,15 @@ def _run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None
     opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], **stats}
 
 
-def _scale_grads(params: list, scale) -> None:
-    "Give `params` their grads times `scale`, out of place (`run_step` gives each param its own grad back)."
+def _scale_grads(params: list, scale, in_place: bool = False) -> None:
+    """Give `params` their grads times `scale`: out of place (`run_step` gives each param its own grad back), or,
+    `in_place` (`clip_grad_norm(in_place=True)`), written into the grads, as `clip_grad_norm_(foreach=True)` does."""
     by_device: dict = {}
     for p in params: by_device.setdefault(p.grad.device, []).append(p)
     for device, ps in by_device.items():
-        for p, g in zip(ps, torch._foreach_mul([p.grad for p in ps], scale.to(device))): p.grad = g
+        if in_place: torch._foreach_mul_([p.grad for p in ps], scale.to(device))
+        else:
+            for p, g in zip(ps, torch._foreach_mul([p.grad for p in ps], scale.to(device))): p.grad = g
 
 
 def unscale_grads(params: list, loss_scale: torch.Tensor) -> None:
@@ -287,15 +290,16 @@ def unscale_grads(params: list, loss_scale: torch.Tensor) -> None:
 def _pay_scales(opt, scales: dict) -> None:
     "Apply the grad scales groups still owe (a whole-model callback reads the grads next), and forget them."
     for g in opt.param_groups:
-        if id(g) in scales: _scale_grads([p for p in g['params'] if p.grad is not None], scales[id(g)])
+        if id(g) in scales: _scale_grads([p for p in g['params'] if p.grad is not None], *scales[id(g)])
     scales.clear()
 
 
 def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None,
                  loss_scale: torch.Tensor | None = None) -> None:
     """The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads).
-    `scales` (id(group) -> 0-d tensor, from `clip_grad_norm`) multiply those groups' grads: inside torch's fused
-    kernel where one steps the bucket (`fused`, `auto`), on scaled copies of the bucket's grads otherwise.
+    `scales` (id(group) -> (0-d tensor, in_place), from `clip_grad_norm`) multiply those groups' grads: inside torch's
+    fused kernel where one steps the bucket (`fused`, `auto`; in place: the kernel's own `grad_scale`, which writes the
+    clipped grads into them), on scaled copies of the bucket's grads otherwise (in place: one `_foreach_mul_`).
     `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain."""
     kind, scales = opt.backend_options.kind, scales or {}
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return  # only whole-model callbacks (lbfgs)
@@ -305,17 +309,17 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
         for g, ps in todo:
             if not ps: continue
             if loss_scale is not None: unscale_grads(ps, loss_scale)
-            if id(g) in scales: _scale_grads(ps, scales[id(g)])
+            if id(g) in scales: _scale_grads(ps, *scales[id(g)])
             with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
     for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None):
-        hyper, scale = snapshots[id(b.group)], scales.get(id(b.group))
+        hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
         with as_real(b) as b:  # complex params step as torch's do: on their real views
             if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
-                if (kernel := torch_kernel(b, hyper, scale, loss_scale)) is not None:
+                if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
                     kernel()
                     continue
             if loss_scale is not None: unscale_grads(b.params, loss_scale)
-            if scale is not None: _scale_grads(b.params, scale)
+            if scale is not None: _scale_grads(b.params, scale, in_place)
             run(opt, b, hyper)

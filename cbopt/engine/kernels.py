@@ -4,7 +4,8 @@ A recipe registers its chain with the kernel that does the same math (`register_
 in `cbopt.optimizers`), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
 returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles. It may be
 asked for two grad factors (keywords): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
-which must leave the user's grads as they are; and `loss_scale`, `torch.amp.GradScaler`'s scale, a divisor, which
+which must leave the user's grads as they are, unless `scale_in_place` (`clip_grad_norm(in_place=True)`: then the
+kernel writes the scaled grads into them, as `clip_grad_norm_` leaves them); and `loss_scale`, `torch.amp.GradScaler`'s scale, a divisor, which
 torch's kernels take as their own `grad_scale` argument and divide the grads by in place (as torch's fused
 optimizers under GradScaler, and `scaler.unscale_` for the others, leave them).
 """
@@ -36,13 +37,15 @@ def has_kernel(cbs: Iterable[Callable]) -> bool:
 
 
 def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = None,
-                 loss_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
+                 loss_scale: torch.Tensor | None = None, scale_in_place: bool = False) -> Callable[[], None] | None:
     """A function stepping `b` with torch's fused kernel for its chain, or None if none applies. `grad_scale` (a 0-d
     tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees, never
-    writing into the grads; `loss_scale` (GradScaler's) divides them, in place, inside the kernel's pass."""
+    writing into the grads unless `scale_in_place`; `loss_scale` (GradScaler's) divides them, in place, inside the
+    kernel's pass."""
     kernel = KERNELS.get(chain_sig(b.cbs))
     if kernel is None: return None
     scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale)) if v is not None}
+    if grad_scale is not None and scale_in_place: scales['scale_in_place'] = True
     return kernel(b, hyper, **scales)
 
 
@@ -77,11 +80,14 @@ def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isins
 
 
 def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool = False,
-                grad_scale: torch.Tensor | None = None, loss_scale: torch.Tensor | None = None) -> Callable[[], None] | None:
+                grad_scale: torch.Tensor | None = None, loss_scale: torch.Tensor | None = None,
+                scale_in_place: bool = False) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
     `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; with `grad_scale`: on the grads times it, e.g.
-    clipped, on scaled copies; with `loss_scale`: on the grads divided by it, which the kernel writes back into them,
-    as torch's fused AdamW does under GradScaler), or None if it does not apply."""
+    clipped, on scaled copies, or with `scale_in_place` by the kernel's own divisor `1 / grad_scale`, which it writes
+    back into the grads; with `loss_scale`: on the grads divided by it, which the kernel writes back into them, as
+    torch's fused AdamW does under GradScaler; both: one divisor, `loss_scale / grad_scale`), or None if it does not
+    apply."""
     st, p0 = b.states[0], b.params[0]
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
@@ -96,7 +102,8 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
     # contiguous grad, channels_last) or it silently pairs the wrong elements
     if any(p.grad.stride() != p.stride() or any(s[k].stride() != p.stride() for k in moments)
            for p, s in zip(b.params, b.states)): return None
-    if grad_scale is not None and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
+    copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
+    if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     def run():
         step = st['step'] + 1
         step_t = torch.tensor(float(step), device=p0.device)
@@ -104,9 +111,14 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
                   weight_decay=hyper['wd'] if st.get('do_wd', True) else 0., maximize=maximize)
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
         # the kernel's own `grad_scale` divides the grads and stores the quotients into them (ATen's CPU and CUDA
-        # kernels alike): right for GradScaler's scale (torch leaves the grads unscaled), never for a clip coefficient
-        kw['grad_scale'] = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
-        if grad_scale is None:
+        # kernels alike): right for GradScaler's scale (torch leaves the grads unscaled), and for a clip coefficient
+        # only in place (`1 / coefficient`, in float32 as the kernel reads it: within an ulp of `grad * coefficient`)
+        divisor = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
+        if grad_scale is not None and scale_in_place:
+            inv = grad_scale.to(device=p0.device, dtype=torch.float64).reciprocal()
+            divisor = (inv if divisor is None else divisor.double() * inv).float()
+        kw['grad_scale'] = divisor
+        if not copies:
             bufs = [[s[k] for s in b.states] for k in moments] + no_max
             torch._fused_adamw_(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
         else:
