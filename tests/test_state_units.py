@@ -396,7 +396,8 @@ def test_torch_state_and_hypers_read_one_entry_at_a_time() -> None:
     cbs = adam(steps=0).param_groups[0]['cbs']
     assert torch_hypers(0, {'lr': 0.1, 'skip_nonfinite.skipped_total': 2, 'betas': (0.8, 0.9)}, cbs) == \
         {'lr': 0.1, 'skip_nonfinite.skipped_total': 2, 'mom': 0.8, 'sqr_mom': 0.9}
-    with pytest.raises(ValueError): torch_hypers(0, {'betas': (0.8, 0.9, 0.99)}, cbs)
+    with pytest.raises(ValueError, match=r'betas \(torch.optim group 0\) must be a sequence of 2 values \(mom, sqr_mom\)'):
+        torch_hypers(0, {'betas': (0.8, 0.9, 0.99)}, cbs)
 
 
 def test_torch_none_state_is_skipped() -> None:

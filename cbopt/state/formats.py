@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
-from ..hypers import TORCH_HYPER_NAMES
+from ..hypers import TORCH_HYPER_NAMES, from_torch_names
 from .flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
@@ -96,13 +96,9 @@ def torch_hypers(i: int, g: Mapping, cbs) -> dict:
     `weight_decay` is `wd`, ...; see `torch_hyper_names`), its algorithm flags checked against the chain, its whole-model
     entries kept."""
     _check_flags(i, g, cbs)
-    hypers, names = {}, torch_hyper_names(cbs)
-    for k, v in g.items():
-        if '.' in k: hypers[k] = v
-        elif k in names:
-            if isinstance(names[k], tuple): hypers.update(zip(names[k], v, strict=True))
-            else: hypers[names[k]] = v
-    return hypers
+    names = torch_hyper_names(cbs)
+    hypers = {k: v for k, v in g.items() if '.' in k}
+    return {**hypers, **from_torch_names({k: v for k, v in g.items() if k in names}, names, f' (torch.optim group {i})')}
 
 
 def torch_state(s: Mapping, cbs) -> dict:
