@@ -144,16 +144,20 @@ adam_step.torch_state = dict(exp_avg='grad_avg', exp_avg_sq='sqr_avg')
 adam_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
 
 
-def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, **kwargs):
-    "RAdam step: Adam rectified by the variance of the adaptive lr; plain momentum SGD while that is undefined."
+def radam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, beta, torch_eps=False, **kwargs):
+    """RAdam step: Adam rectified by the variance of the adaptive lr; plain momentum SGD while that is undefined.
+    fastai adds `eps` to the debiased root, `sqrt(v/bc2) + eps`; with `torch_eps=True` (a chain constant, which
+    `cbopt.optim.RAdam` sets) it is added before debiasing, `(sqrt(v) + eps) / sqrt(bc2)`, as torch.optim.RAdam does."""
     debias1 = debias(mom, 1 - mom, step)
     debias2 = debias(sqr_mom, 1 - sqr_mom, step)
     r_inf = 2 / (1 - sqr_mom) - 1
     r = r_inf - 2 * step * sqr_mom ** step / (1 - sqr_mom ** step)
     if r > 5:
         v = math.sqrt(((r - 4) * (r - 2) * r_inf) / ((r_inf - 4) * (r_inf - 2) * r))
-        denom = (sqr_avg / debias2).sqrt_()
-        if eps: denom.add_(eps)
+        if torch_eps: denom = sqr_avg.sqrt().add_(eps).div_(math.sqrt(debias2))
+        else:
+            denom = (sqr_avg / debias2).sqrt_()
+            if eps: denom.add_(eps)
         if beta: denom = F.softplus(denom, beta)
         p.data.addcdiv_(grad_avg, denom, value=-lr * v / debias1)
     else: p.data.add_(grad_avg, alpha=-lr / debias1)

@@ -159,7 +159,7 @@ class RAdam(TorchOptimizer):
                  differentiable: bool = False) -> None:
         self._build(_fastai.RAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
                     lr=lr, betas=betas, eps=eps, wd=weight_decay, decouple_wd=decoupled_weight_decay, maximize=maximize,
-                    backend=_backend('RAdam', foreach, None, differentiable))
+                    torch_eps=True, backend=_backend('RAdam', foreach, None, differentiable))
 
 
 class NAdam(TorchOptimizer):

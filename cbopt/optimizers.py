@@ -82,9 +82,11 @@ def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float
 @torch_keywords()
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
           wd: float = 0., beta: float = 0., decouple_wd: bool = True, maximize: bool = False,
-          kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
-    "Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator); `kahan_sum` as in `Adam`."
-    cbs = kahan_chain(adam_chain(radam_step, decouple_wd), kahan_sum)
+          kahan_sum: bool = False, backend: str = "auto", torch_eps: bool = False) -> Optimizer:
+    """Rectified Adam; `beta > 0` makes it SAdam (softplus on the denominator); `kahan_sum` as in `Adam`;
+    `torch_eps=True`: `eps` added before debiasing, as torch.optim.RAdam (see `radam_step`)."""
+    step = partial(radam_step, torch_eps=True) if torch_eps else radam_step
+    cbs = kahan_chain(adam_chain(step, decouple_wd), kahan_sum)
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom,
                      eps=eps, wd=wd, beta=beta, backend=backend)
 
