@@ -10,7 +10,7 @@ from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, 
                         larc_layer_lr, larc_step, lookahead_keep, lookahead_step, momentum_step, negate_grad, nesterov_step,
                         qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
-from .engine.kernels import fused_adamw
+from .engine.kernels import fused_adam, fused_adamw
 from .hypers import torch_keywords
 from .kahan import kahan_chain
 from .optimizer import Optimizer, rechain
@@ -37,11 +37,14 @@ def adam_chain(step: Callable = adam_step, decouple_wd: bool = True, amsgrad: bo
                                   *([amsgrad_max] if amsgrad else []), step_stat, step]
 
 
-for _amsgrad in (False, True):  # cbopt's AdamW is exactly torch's fused AdamW, with its amsgrad and maximize flags
-    for _maximize in (False, True):
-        register_kernel(maximizing(adam_chain(amsgrad=_amsgrad), _maximize),
-                        partial(fused_adamw, maximize=_maximize, amsgrad=_amsgrad))
-del _amsgrad, _maximize
+# cbopt's AdamW is exactly torch's fused AdamW, and its Adam with L2 (`decouple_wd=False`) torch's fused Adam, with
+# their amsgrad and maximize flags
+for _decouple, _kernel in ((True, fused_adamw), (False, fused_adam)):
+    for _amsgrad in (False, True):
+        for _maximize in (False, True):
+            register_kernel(maximizing(adam_chain(decouple_wd=_decouple, amsgrad=_amsgrad), _maximize),
+                            partial(_kernel, maximize=_maximize, amsgrad=_amsgrad))
+del _decouple, _kernel, _amsgrad, _maximize
 
 
 @torch_keywords()

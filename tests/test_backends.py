@@ -85,14 +85,24 @@ def torch_fused_drift(c: Case, steps: int = STEPS, lr: float = 3e-2) -> float:
     return drift
 
 
+TORCH_KERNELS = ('_fused_adamw_', '_fused_adam_')  # the torch ops cbopt registers (cbopt/optimizers.py)
+
+
+def count_kernel_calls(monkeypatch) -> list:
+    "A list that gets the op's name at each call of one of torch's fused kernels cbopt registers."
+    calls = []
+    for name in TORCH_KERNELS:
+        monkeypatch.setattr(torch, name, lambda *a, _k=getattr(torch, name), _n=name, **k: calls.append(_n) or _k(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize('backend', ['auto', 'fused'])
 @pytest.mark.parametrize('c', [c for c in CASES if c.has_torch_kernel and c.torch is not None], ids=str)
 def test_torch_kernel_follows_loop(c, backend, monkeypatch):
-    """A chain with a torch kernel runs as torch._fused_adamw_, within twice torch's own fused-vs-loop rounding drift
-    of each tensor (and 1e-6 of it on a calm lr)."""
-    calls, rtol = [], max(1e-6, 2 * torch_fused_drift(c))
-    kernel = torch._fused_adamw_
-    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    """A chain with a torch kernel runs as torch's fused kernel (`_fused_adamw_`, `_fused_adam_` with L2), within twice
+    torch's own fused-vs-loop rounding drift of each tensor (and 1e-6 of it on a calm lr)."""
+    rtol = max(1e-6, 2 * torch_fused_drift(c))  # (torch's own kernel runs there: before the counting)
+    calls = count_kernel_calls(monkeypatch)
     run_vs_loop(c, backend, rtol=rtol)
     assert len(calls) == 2 * (STEPS - 1)  # two groups; the first step (creating the state) runs eagerly
     run_vs_loop(c, backend, lr=3e-3)
@@ -102,9 +112,7 @@ def test_torch_kernel_follows_loop(c, backend, monkeypatch):
 def test_auto_takes_kernel_where_flagged_and_never_compiles(c, monkeypatch):
     """`auto` takes torch's kernel exactly for the cases flagged `has_torch_kernel`, and never compiles (the README:
     'It never compiles: ask for "fused" for that'), through its trials and after."""
-    calls = []
-    kernel = torch._fused_adamw_
-    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = count_kernel_calls(monkeypatch)
     monkeypatch.setattr(torch, 'compile', lambda *a, **k: pytest.fail('auto called torch.compile'))
     model = make_model()
     train(c.build(two_groups(model), 3e-2, 'auto'), model, 2 + 2 * cbopt.Backend().auto_trials)

@@ -32,9 +32,9 @@ def scaled_step(m, opt, sc, i: int, before_step=None) -> None:
     sc.update()
 
 
-def ours_adamw(m, backend: str) -> cbopt.Optimizer:
-    return cbopt.optim.AdamW(m.parameters(), **ADAMW, **{'fused': {'fused': True}, 'foreach': {'foreach': True},
-                                                          'loop': {'foreach': False}, 'auto': {}}[backend])
+def ours_adamw(m, backend: str, cls: str = 'AdamW') -> cbopt.Optimizer:
+    return getattr(cbopt.optim, cls)(m.parameters(), **ADAMW, **{'fused': {'fused': True}, 'foreach': {'foreach': True},
+                                                                  'loop': {'foreach': False}, 'auto': {}}[backend])
 
 
 def snapshot(m, opt) -> tuple:
@@ -50,10 +50,11 @@ def assert_unchanged(m, opt, before: tuple) -> None:
             assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v, k
 
 
+@pytest.mark.parametrize('cls', ['AdamW', 'Adam'])  # Adam: L2 weight decay, torch's `_fused_adam_`
 @pytest.mark.parametrize('backend', ['fused', 'auto', 'foreach', 'loop'])
-def test_grad_scaler_steps_as_torchs_fused_adamw(backend):
+def test_grad_scaler_steps_as_torchs_fused_adamw(backend, cls):
     m, ref_m = make_model(), make_model()
-    ours, ref = ours_adamw(m, backend), torch.optim.AdamW(ref_m.parameters(), **ADAMW, fused=True)
+    ours, ref = ours_adamw(m, backend, cls), getattr(torch.optim, cls)(ref_m.parameters(), **ADAMW, fused=True)
     ours.init_state()  # (else the fused backend's first step, which creates the state, runs the chain, not the kernel)
     assert ours._step_supports_amp_scaling == (backend in ('fused', 'auto')) and ref._step_supports_amp_scaling
     sc, ref_sc = scaler(), scaler()

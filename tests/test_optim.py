@@ -407,3 +407,23 @@ def test_readme_defaults_table_matches_the_code():
     readme = (Path(__file__).parent.parent / 'README.md').read_text()
     assert defaults_table() in readme, "regenerate the README's table: print(tests.test_optim.defaults_table())"
     assert set(RECIPES) == set(cbopt.optim.__all__)
+
+
+@pytest.mark.parametrize('flags', [{}, dict(amsgrad=True), dict(maximize=True), dict(amsgrad=True, maximize=True)],
+                         ids=['plain', 'amsgrad', 'maximize', 'amsgrad-maximize'])
+def test_l2_adam_fused_is_torchs_fused_adam(flags, monkeypatch):
+    """Adam with L2 `weight_decay` and `fused=True` runs torch's `_fused_adam_` (the L2 term inside the kernel), one call
+    per step once the state exists: bit for bit torch's `Adam(fused=True)` over 40 steps, the grads left as they were."""
+    calls, kernel = [], torch._fused_adam_
+    monkeypatch.setattr(torch, '_fused_adam_', lambda *a, **k: (calls.append((k['maximize'], k['amsgrad'])), kernel(*a, **k))[1])
+    m, ref = _model(), _model()
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True, **flags)
+    opt, torch_opt = cbopt.optim.Adam(m.parameters(), **kw), torch.optim.Adam(ref.parameters(), **kw)
+    opt.init_state()  # (else the first step, creating the state, runs the chain eagerly)
+    for i in range(40):
+        _grads(m, i), _grads(ref, i)
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step(), torch_opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads))
+    for p, q in zip(m.parameters(), ref.parameters()): assert torch.equal(p, q)
+    assert calls == [(flags.get('maximize', False), flags.get('amsgrad', False))] * 80

@@ -1,7 +1,7 @@
 """torch's fused kernels, used when one computes exactly what a chain computes.
 
 A recipe registers its chain with the kernel that does the same math (`register_kernel(adam_chain(), fused_adamw)`
-in `cbopt.optimizers`), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
+in `cbopt.optimizers`; `fused_adam` for the L2 chain), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
 returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles. It may be
 asked for two grad factors (keywords): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
 which must leave the user's grads as they are, unless `scale_in_place` (`clip_grad_norm(in_place=True)`: then the
@@ -20,7 +20,7 @@ from ..hypers import is_model_entry
 from ..dtensor import local
 from .buckets import Bucket
 
-__all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'fused_adamw']
+__all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'fused_adamw', 'fused_adam']
 
 Kernel = Callable[[Bucket, Mapping], 'Callable[[], None] | None']
 KERNELS: dict[tuple, Kernel] = {}  # chain_sig -> kernel adapter
@@ -81,13 +81,15 @@ def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isins
 
 def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool = False,
                 grad_scale: torch.Tensor | None = None, loss_scale: torch.Tensor | None = None,
-                scale_in_place: bool = False) -> Callable[[], None] | None:
+                scale_in_place: bool = False, op: str = '_fused_adamw_') -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
     `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; with `grad_scale`: on the grads times it, e.g.
     clipped, on scaled copies, or with `scale_in_place` by the kernel's own divisor `1 / grad_scale`, which it writes
     back into the grads; with `loss_scale`: on the grads divided by it, which the kernel writes back into them, as
     torch's fused AdamW does under GradScaler; both: one divisor, `loss_scale / grad_scale`), or None if it does not
-    apply."""
+    apply. `op` names the torch kernel, looked up at each step: `'_fused_adam_'` (`fused_adam`) adds the L2 term
+    `weight_decay * p` to the grad (negated, divided) inside its pass where `_fused_adamw_` shrinks the param, so it
+    steps the chain with `l2_reg` in place of `weight_decay`, all else the same."""
     st, p0 = b.states[0], b.params[0]
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
@@ -120,9 +122,14 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
         kw['grad_scale'] = divisor
         if not copies:
             bufs = [[s[k] for s in b.states] for k in moments] + no_max
-            torch._fused_adamw_(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
+            getattr(torch, op)(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
         else:
             for ps, gs, *bufs in _scaled_slices(b, grad_scale, moments):
-                torch._fused_adamw_(ps, gs, *bufs, *no_max, [step_t] * len(ps), **kw)
+                getattr(torch, op)(ps, gs, *bufs, *no_max, [step_t] * len(ps), **kw)
         for s in b.states: s['step'] = step
     return run
+
+
+def fused_adam(b: Bucket, hyper: Mapping, **kw) -> Callable[[], None] | None:
+    "`torch._fused_adam_` for cbopt's Adam chain with L2 (`l2_reg`): `fused_adamw` with that kernel (see there)."
+    return fused_adamw(b, hyper, **kw, op='_fused_adam_')
