@@ -52,11 +52,11 @@ def test_elementwise_cases_equal_one_process(backend):
 
 
 def test_fused_kernel_compiled_and_auto_equal_one_process():
-    """`fused`: torch's AdamW kernel on DTensors, and an elementwise chain compiled on each rank's shards (without
-    falling back to foreach: no warning); `auto` on DTensors (foreach, alike on every rank)."""
+    """`fused`: torch's AdamW and Adam kernels on DTensors, and an elementwise chain compiled on each rank's shards
+    (without falling back to foreach: no warning); `auto` on DTensors (foreach, alike on every rank)."""
     aot = cbopt.Backend('fused', compiler='aot_eager')
     kernels = [c.id for c in CASES if c.has_torch_kernel and not c.tensor_scope]
-    assert kernels == ['adam', 'adam-amsgrad', 'adam-maximize']
+    assert kernels == ['adam', 'adam-l2', 'adam-amsgrad', 'adam-maximize']  # AdamW's kernel; L2 Adam's (_fused_adam_)
     # Adan: a declared chain, copying into its state; compiled with aot_eager it equals foreach (test_backends)
     res = check_cases(kernels + ['adan'], [aot, 'auto'], reference={aot: 'foreach'})
     assert not any('compiled' in w for w in res[('adan', str(aot))]['warnings']), res[('adan', str(aot))]['warnings']
