@@ -24,11 +24,6 @@ from .warmup import WarmupSchedule
 __all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
 
 
-def _grads(params: list) -> list:
-    "Every bucket's grads, as one flat list of tensors (for the final reduction only)."
-    return [g for tl in params for g in tl.grad]
-
-
 def _torch_order(params: list) -> list:
     """The buckets in the order torch's `clip_grad_norm_` stacks its (device, dtype) groups (not the order they come
     in): the sum of the norms is then the same, bit for bit."""
