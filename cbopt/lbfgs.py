@@ -26,15 +26,22 @@ __all__ = ['lbfgs', 'LBFGS']
 LINE_SEARCHES = (None, 'strong_wolfe')
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    "A complex tensor as its (real, imaginary) pairs, a view (torch's LBFGS works on complex params' real views)."
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _flat_grad(ps: list) -> torch.Tensor:
-    "Every param's grad as one flat vector, in order; zeros for a param without a grad (torch's `_gather_flat_grad`)."
-    return torch.cat([p.new_zeros(p.numel()) if p.grad is None else p.grad.view(-1) for p in ps])
+    """Every param's grad as one flat real vector, in order; zeros for a param without a grad (torch's
+    `_gather_flat_grad`: a complex grad gives its real and imaginary parts)."""
+    return torch.cat([_real(p).new_zeros(_real(p).numel()) if p.grad is None else _real(p.grad).reshape(-1)
+                      for p in ps])
 
 
 def _add(ps: list, t, d: torch.Tensor) -> None:
-    "`p += t * d` for each param's slice of the flat direction `d` (torch's `_add_grad`)."
+    "`p += t * d` for each param's slice of the flat direction `d` (torch's `_add_grad`), on complex params' real views."
     offset = 0
-    for p in ps:
+    for p in map(_real, ps):
         p.add_(d[offset:offset + p.numel()].view_as(p), alpha=t)
         offset += p.numel()
 
@@ -46,7 +53,7 @@ def _check(ps: list, groups: list, max_eval, line_search_fn, d, prev_flat_grad) 
         raise ValueError(f"lbfgs: line_search_fn={line_search_fn!r} is not supported: only None or 'strong_wolfe'")
     if max_eval is not None and (isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1):
         raise ValueError(f"lbfgs: max_eval must be None or an int >= 1, got {max_eval!r}")
-    numel = sum(p.numel() for p in ps)
+    numel = sum(_real(p).numel() for p in ps)
     for k, v in (('d', d), ('prev_flat_grad', prev_flat_grad)):
         if v is not None and (not isinstance(v, torch.Tensor) or v.shape != (numel,)):
             raise ValueError(f"lbfgs: its state {k!r} has shape {tuple(getattr(v, 'shape', ()))}, but the params have "
@@ -127,7 +134,6 @@ def lbfgs(params, groups, closure: Callable, loss, lr, max_iter, max_eval, toler
     return dict(func_evals=func_evals, n_iter=n_iter, d=d, t=as_float(t), old_dirs=old_dirs, old_stps=old_stps, ro=ro,
                 H_diag=as_float(H_diag), prev_flat_grad=prev_flat_grad, prev_loss=prev_loss)
 lbfgs.scope = 'model'
-lbfgs.supports_complex = False  # a whole-model callback: not run on complex params' real views (torch's LBFGS is)
 lbfgs.uses_closure = True
 lbfgs.defaults = dict(lr=1, max_iter=20, max_eval=None, tolerance_grad=1e-7, tolerance_change=1e-9, history_size=100,
                       line_search_fn=None)

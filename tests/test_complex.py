@@ -13,9 +13,9 @@ from cases import CASES, Case
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
-NOT_YET = {'LBFGS': "a whole-model callback: complex params' real views are made for per-param chains only"}
+CLOSURE = ('LBFGS',)  # steps with a closure: its own test below (test_lbfgs_steps_complex_params_as_torch)
 COMPLEX = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)
-           and info.supports_complex and info.optim_cls.__name__ not in NOT_YET}
+           and info.supports_complex and info.optim_cls.__name__ not in CLOSURE}
 REFUSED = [info.optim_cls.__name__ for info in optim_db
            if hasattr(cbopt.optim, info.optim_cls.__name__) and not info.supports_complex]
 STEPS = 8
@@ -104,11 +104,40 @@ def test_refused_where_torch_refuses(name):
     with pytest.raises(TypeError, match="is complex"): getattr(cbopt, name)(ps)
 
 
-@pytest.mark.parametrize('name', sorted(NOT_YET))
-def test_not_yet_refused_by_name(name):
-    "Where cbopt does not step complex params yet though torch does (`NOT_YET`), it refuses them by name when built."
-    with pytest.raises(TypeError, match=r"param '0' \(group 0\) is complex .* does not support"):
-        getattr(cbopt.optim, name)(complex_params())
+def complex_loss(ps: list[torch.Tensor]) -> torch.Tensor:
+    "A real loss of the complex params with a minimum (so that L-BFGS has somewhere to go)."
+    x = torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(7))
+    return (ps[0] @ x + ps[1][:3] - 1j).abs().pow(2).sum() + (ps[1] - 0.5).abs().pow(2).sum()
+
+
+@pytest.mark.parametrize('line_search_fn', [None, 'strong_wolfe'])
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_lbfgs_steps_complex_params_as_torch(backend, line_search_fn):
+    """cbopt.optim.LBFGS on complex params is torch's: both work on the flat vector of the params' real views. Over
+    6 steps (each up to 20 iterations) the params and the loss follow torch's; its checkpoint loads into torch's."""
+    ours, theirs = complex_params(), complex_params()
+    opt = cbopt.optim.LBFGS(ours, history_size=5, line_search_fn=line_search_fn)
+    opt.backend = backend
+    torch_opt = torch.optim.LBFGS(theirs, history_size=5, line_search_fn=line_search_fn)
+    def closure(ps, o):
+        def evaluate():
+            o.zero_grad()
+            loss = complex_loss(ps)
+            loss.backward()
+            return loss
+        return evaluate
+    for _ in range(6):
+        assert opt.step(closure(ours, opt)).item() == pytest.approx(torch_opt.step(closure(theirs, torch_opt)).item(),
+                                                                    rel=1e-5)
+    assert_close(ours, theirs)
+    assert complex_loss(ours).item() < complex_loss(complex_params()).item() / 100
+    back = complex_params()
+    with torch.no_grad():
+        for p, q in zip(back, theirs): p.copy_(q)
+    torch_back = torch.optim.LBFGS(back, history_size=5, line_search_fn=line_search_fn)
+    torch_back.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for o, ps in ((torch_opt, theirs), (torch_back, back)): o.step(closure(ps, o))
+    assert_close(back, theirs)
 
 
 def as_real_params(ps: list) -> list[torch.Tensor]:

@@ -25,8 +25,7 @@ DIFFERENCES = {
     ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "Adafactor and Muon refuse them at construction (TypeError naming the param), torch's at "
-                             "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them; "
-                             "LBFGS refuses them, torch's steps them (tests/test_complex.py: NOT_YET)",
+                             "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them",
     ('Adam*', 'tensor lr or betas with foreach'): "torch refuses them unless capturable; cbopt runs them in every backend",
     ('*', 'named and unnamed params mixed'): "torch refuses params with and without names in one optimizer; cbopt "
                                              "names the unnamed ones by position",
