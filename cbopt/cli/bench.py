@@ -618,12 +618,11 @@ Named = list  # [(name, param)]
 class Entry:
     """One optimizer of the catalogue: `ours(params)` builds cbopt's (its backend is set afterwards), `refs` maps each
     mode of the reference to a builder of it, both from named params with the same hypers; `select(name, shape)` picks
-    the params it steps (Muon: the hidden matrices); `compiles`: whether cbopt's fused backend compiles its chain."""
+    the params it steps (Muon: the hidden matrices)."""
     name: str
     ours: Callable[[Named], cbopt.Optimizer]
     refs: dict[str, Callable[[Named], Any]]
     select: Callable[[str, tuple], bool] | None = None
-    compiles: bool = True
     tol: float = 1e-5  # the numerics check's: relative to the reference's largest param, after 3 steps
 
 
@@ -686,9 +685,9 @@ def catalogue() -> list[Entry]:
               {'pytorch-optimizer foreach': lambda ps: _pytorch_optimizer('AdEMAMix', ps)}),
         Entry('StableAdamW', lambda ps: cbopt.StableAdamW(ps), {'optimi foreach': _optimi}),
         Entry('ScheduleFreeSGD', lambda ps: cbopt.ScheduleFreeSGD(ps).train(),
-              {'schedulefree foreach': lambda ps: _schedulefree('SGDScheduleFree', ps)}, compiles=False),
+              {'schedulefree foreach': lambda ps: _schedulefree('SGDScheduleFree', ps)}),
         Entry('ScheduleFreeAdamW', lambda ps: cbopt.ScheduleFreeAdamW(ps).train(),
-              {'schedulefree foreach': lambda ps: _schedulefree('AdamWScheduleFree', ps)}, compiles=False),
+              {'schedulefree foreach': lambda ps: _schedulefree('AdamWScheduleFree', ps)}),
         Entry('Lamb', lambda ps: cbopt.Lamb(ps, wd=0.01), {'fastai': lambda ps: _fastai_lamb(ps, wd=0.01)}),
     ]
 
@@ -702,9 +701,9 @@ def _ours(entry: Entry, backend: cbopt.Backend) -> Callable[[Named], cbopt.Optim
 
 
 def catalogue_contenders(entry: Entry, compiler: str) -> dict[str, Callable[[Named], Any]]:
-    "cbopt's fused (when its chain compiles) and foreach rows, then the reference's modes: name -> builder."
+    "cbopt's fused and foreach rows, then the reference's modes: name -> builder."
     rows = {}
-    if entry.compiles: rows['cbopt fused'] = _ours(entry, cbopt.Backend('fused', compiler=compiler))
+    rows['cbopt fused'] = _ours(entry, cbopt.Backend('fused', compiler=compiler))
     rows['cbopt foreach'] = _ours(entry, cbopt.Backend('foreach'))
     return {**rows, **entry.refs}
 
