@@ -230,6 +230,31 @@ def test_torch_checkpoint_with_another_weight_decay_is_refused():
     cbopt.Adam(m.parameters()).load_state_dict(_stepped(torch.optim.Adam(m.parameters()), m).state_dict())  # wd=0
 
 
+@pytest.mark.parametrize('torch_cls,ours', [
+    (torch.optim.SGD, lambda ps, **kw: cbopt.SGD(ps, mom=0.9, **kw)),
+    (torch.optim.RMSprop, cbopt.RMSProp), (torch.optim.Adagrad, cbopt.Adagrad)])
+def test_torch_checkpoint_of_an_l2_class_is_refused_by_a_decoupled_chain(torch_cls, ours):
+    """torch's SGD, RMSprop and Adagrad decay by L2 and save no flag saying so; their groups' own keys (dampening,
+    centered, lr_decay) tell. Into a chain that decays decoupled (cbopt.SGD's default, cbopt.RMSProp's), such a checkpoint with a
+    nonzero weight_decay is refused and nothing changes; into the L2 chain it loads and steps on as torch's."""
+    m, m_ref = _model(), _model()
+    torch_opt = _stepped(torch_cls(m_ref.parameters(), lr=1e-2, **({'momentum': 0.9} if torch_cls is torch.optim.SGD
+                                                                   else {}), weight_decay=0.1), m_ref)
+    opt = _stepped(ours(m.parameters(), lr=1e-2, wd=0.1, decouple_wd=True), m)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"param group 0 of the torch.optim state_dict decays the weights by L2 .*"
+                                         r"weight_decay=0.1.*Build the optimizer with decouple_wd=False"):
+        opt.load_state_dict(torch_opt.state_dict())
+    assert opt.state_dict()['param_groups'] == before['param_groups']
+    l2 = ours(m.parameters(), lr=1e-2, wd=0.1, decouple_wd=False)
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), m_ref.parameters()): p.copy_(q)
+    l2.load_state_dict(torch_opt.state_dict())
+    _run(l2, m, 3)
+    _run(torch_opt, m_ref, 3)
+    for p, q in zip(m.parameters(), m_ref.parameters()): torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def error_inputs():
     for name, info in INFOS.items():
         for i, e in enumerate(info.optim_error_inputs_func(device='cpu', dtype=torch.float32)):

@@ -29,6 +29,9 @@ TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize', 'nesterov', 'centered', 'decoupled_w
 TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm but SGD and Muon; cbopt where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
 TORCH_DECOUPLED = ('AdamW', 'Adafactor', 'Muon')  # torch's classes whose weight_decay is decoupled with no flag saying so
+# a key only torch's L2-decaying classes save (SGD, RMSprop, Adagrad, Adadelta, ASGD): a group holding one decays by L2
+# though it has no `decoupled_weight_decay` flag (Adam's and AdamW's groups from before torch 2.6 have neither: unknown)
+TORCH_L2_KEYS = ('dampening', 'centered', 'lr_decay', 'rho', 'lambd')
 TORCH_STEPLESS = ('SGD', 'Muon')  # torch's classes that keep no step count (every other one's state must have one)
 
 
@@ -60,6 +63,9 @@ def _check_flags(i: int, g: Mapping, cbs) -> None:
     """A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm.
     `decoupled_weight_decay` (torch's Adam, AdamW, RAdam, NAdam save it) matters only with a nonzero weight_decay."""
     ours, reads = chain_flags(cbs), chain_reads(cbs)
+    if ('decoupled_weight_decay' not in g and 'decoupled_weight_decay' in ours and any(k in g for k in TORCH_L2_KEYS)
+            and float(g.get('weight_decay', 0) or 0)):
+        g = {**g, 'decoupled_weight_decay': False}  # an L2 class's group, read by a chain that decays decoupled
     for flag in TORCH_CHAIN_FLAGS:
         if flag not in g or flag in reads or bool(g[flag]) == (flag in ours): continue
         if flag == 'decoupled_weight_decay':
@@ -68,7 +74,7 @@ def _check_flags(i: int, g: Mapping, cbs) -> None:
             raise ValueError(f"param group {i} of the torch.optim state_dict decays the weights {_decay_kind(g[flag])}, "
                              f"weight_decay={wd}, but this optimizer's chain [{chain_name(cbs)}] does not: loading it "
                              f"would change what weight_decay means. Build the optimizer with decouple_wd={bool(g[flag])} "
-                             f"(cbopt.optim.{'AdamW' if g[flag] else 'Adam'} for torch's class), or set the group's "
+                             f"(cbopt.optim's class of the same name for torch's), or set the group's "
                              f"weight_decay to 0 in the state_dict")
         raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
                          f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={flag in ours}: build it with {flag}={bool(g[flag])}")
