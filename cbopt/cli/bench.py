@@ -683,12 +683,14 @@ def catalogue() -> list[Entry]:
               {'pytorch-optimizer foreach': lambda ps: _pytorch_optimizer('Adan', ps, weight_decay=0.02)}),
         Entry('AdEMAMix', lambda ps: cbopt.AdEMAMix(ps),
               {'pytorch-optimizer foreach': lambda ps: _pytorch_optimizer('AdEMAMix', ps)}),
-        Entry('StableAdamW', lambda ps: cbopt.StableAdamW(ps), {'optimi foreach': _optimi}),
+        Entry('StableAdamW', lambda ps: cbopt.StableAdamW(ps, lr=1e-3),
+              {'optimi foreach': lambda ps: _optimi(ps, lr=1e-3)}),
         Entry('ScheduleFreeSGD', lambda ps: cbopt.ScheduleFreeSGD(ps).train(),
               {'schedulefree foreach': lambda ps: _schedulefree('SGDScheduleFree', ps)}),
         Entry('ScheduleFreeAdamW', lambda ps: cbopt.ScheduleFreeAdamW(ps).train(),
               {'schedulefree foreach': lambda ps: _schedulefree('AdamWScheduleFree', ps)}),
-        Entry('Lamb', lambda ps: cbopt.Lamb(ps, wd=0.01), {'fastai': lambda ps: _fastai_lamb(ps, wd=0.01)}),
+        Entry('Lamb', lambda ps: cbopt.Lamb(ps, lr=1e-3, wd=0.01),
+              {'fastai': lambda ps: _fastai_lamb(ps, lr=1e-3, wd=0.01)}),
     ]
 
 
