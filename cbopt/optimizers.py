@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from itertools import product
 from typing import Any
 
 from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step,
                         larc_layer_lr, larc_step, lookahead_keep, lookahead_step, momentum_step, negate_grad, nesterov_step,
                         qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
 from .engine import register_kernel
-from .engine.kernels import fused_adam, fused_adamw
+from .engine.kernels import fused_adam, fused_adamw, fused_sgd
 from .hypers import torch_keywords
 from .kahan import kahan_chain
 from .optimizer import Optimizer, rechain
 
-__all__ = ['adam_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
+__all__ = ['adam_chain', 'sgd_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
            'Lookahead', 'ranger']
 
 
@@ -47,6 +48,24 @@ for _decouple, _kernel in ((True, fused_adamw), (False, fused_adam)):
 del _decouple, _kernel, _amsgrad, _maximize
 
 
+def sgd_chain(decouple_wd: bool = True, momentum: bool = False, dampened: bool = False, nesterov: bool = False) -> list:
+    """SGD's callbacks: decay, then the plain step, or with `momentum` the momentum buffer (torch's, which keeps the
+    first grad whole and then weighs grads by `1 - dampening`, if `dampened`) and the momentum (`nesterov`) step."""
+    cbs = _decay(decouple_wd)
+    if momentum: cbs.append(dampened_grad_avg if dampened else average_grad)
+    cbs.append(sgd_step if not momentum else nesterov_step if nesterov else momentum_step)
+    return cbs
+
+
+# every SGD chain is torch's fused SGD (with decoupled decay only at zero decay: the kernel decays by L2)
+for _decouple, _maximize, (_mom, _damp, _nesterov) in product(
+        (True, False), (False, True), ((False, False, False), (True, False, False), (True, True, False), (True, False, True))):
+    register_kernel(maximizing(sgd_chain(_decouple, _mom, _damp, _nesterov), _maximize),
+                    partial(fused_sgd, momentum=_mom, dampened=_damp, nesterov=_nesterov, maximize=_maximize,
+                            decoupled=_decouple))
+del _decouple, _maximize, _mom, _damp, _nesterov
+
+
 @torch_keywords()
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
         nesterov: bool = False, dampening: float = 0., maximize: bool = False, kahan_sum: bool = False,
@@ -54,9 +73,7 @@ def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., 
     """SGD, with optional momentum (`nesterov` and `dampening` as in torch.optim.SGD) and weight decay; `kahan_sum`:
     Kahan-compensated updates for bf16/fp16 params (torch-optimi's; see `cbopt.kahan`)."""
     if nesterov and (mom == 0 or dampening != 0): raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    cbs = _decay(decouple_wd)
-    if mom != 0: cbs.append(average_grad if dampening == 0 else dampened_grad_avg)
-    cbs.append(sgd_step if mom == 0 else nesterov_step if nesterov else momentum_step)
+    cbs = sgd_chain(decouple_wd, mom != 0, dampening != 0, nesterov)
     extra = dict(dampening=dampening) if dampening != 0 else {}
     return Optimizer(params, maximizing(kahan_chain(cbs, kahan_sum), maximize), lr=lr, mom=mom, wd=wd, **extra,
                      backend=backend)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
+from itertools import product
 from typing import Any
 
 import torch
 
+from .engine import register_kernel
+from .engine.kernels import fused_adagrad
 from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
 from .hypers import torch_keywords
 from .optimizer import Optimizer
@@ -25,13 +28,25 @@ from .torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adama
                               inf_norm_grad, muon_momentum, muon_step, nadam_step, relative_step_size, rprop_step,
                               sqr_grad_sum)
 
-__all__ = ['Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop', 'Adafactor', 'muon_chain', 'is_hidden_matrix',
-           'Muon']
+__all__ = ['adagrad_chain', 'Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'ASGD', 'Rprop', 'Adafactor', 'muon_chain',
+           'is_hidden_matrix', 'Muon']
 
 
 def _check(ok: bool, msg: str) -> None:
     "torch's constructor checks for the hypers cbopt's own rules do not know (`cbopt.hypers.HYPER_RULES`)."
     if not ok: raise ValueError(msg)
+
+
+def adagrad_chain(decouple_wd: bool = False) -> list:
+    "Adagrad's callbacks: decay, the step count, the running sum of squared grads, the step."
+    return _decay(decouple_wd) + [step_stat, sqr_grad_sum, adagrad_step]
+
+
+# torch's fused Adagrad (with decoupled decay only at zero decay: the kernel decays by L2)
+for _decouple, _maximize in product((False, True), (False, True)):
+    register_kernel(maximizing(adagrad_chain(_decouple), _maximize),
+                    partial(fused_adagrad, maximize=_maximize, decoupled=_decouple))
+del _decouple, _maximize
 
 
 @torch_keywords()
@@ -42,8 +57,7 @@ def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial
     `sum`), set to `initial_accumulator_value` at the first step (torch sets it at construction), and `step`."""
     _check(lr_decay >= 0, f"Invalid lr_decay value: {lr_decay}")
     _check(initial_accumulator_value >= 0, f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-    cbs = _decay(decouple_wd) + [step_stat, sqr_grad_sum, adagrad_step]
-    return Optimizer(params, maximizing(cbs, maximize), lr=lr, lr_decay=lr_decay,
+    return Optimizer(params, maximizing(adagrad_chain(decouple_wd), maximize), lr=lr, lr_decay=lr_decay,
                      initial_accumulator_value=initial_accumulator_value, eps=eps, wd=wd, backend=backend)
 
 

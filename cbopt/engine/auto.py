@@ -1,5 +1,6 @@
 """The `auto` runner's policy, per bucket layout:
-1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW on fp32/fp64): the fastest there is;
+1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW, L2 Adam, SGD, Adagrad on fp32/fp64):
+   the fastest there is;
 2. on an accelerator, foreach: one kernel launch per op for the bucket instead of one per param;
 3. on CPU, foreach or loop, whichever was faster over `auto_trials` timed steps each of this bucket layout.
    Measured here (1 thread, README benchmark): on many small params foreach is ~1.9x faster (less Python per

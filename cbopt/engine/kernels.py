@@ -1,7 +1,8 @@
 """torch's fused kernels, used when one computes exactly what a chain computes.
 
 A recipe registers its chain with the kernel that does the same math (`register_kernel(adam_chain(), fused_adamw)`
-in `cbopt.optimizers`; `fused_adam` for the L2 chain), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
+in `cbopt.optimizers`; `fused_adam` for the L2 chain, `fused_sgd` for SGD's chains; `fused_adagrad` in
+`cbopt.torch_optimizers`), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
 returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles. It may be
 asked for two grad factors (keywords): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
 which must leave the user's grads as they are, unless `scale_in_place` (`clip_grad_norm(in_place=True)`: then the
@@ -17,10 +18,12 @@ import torch
 
 from ..chain import chain_sig
 from ..hypers import is_model_entry
-from ..dtensor import local
+from ..state.flags import FLAGS
+from ..dtensor import is_dtensor, local
 from .buckets import Bucket
 
-__all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'fused_adamw', 'fused_adam']
+__all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'kernel_step', 'fused_adamw', 'fused_adam', 'fused_sgd',
+           'fused_adagrad']
 
 Kernel = Callable[[Bucket, Mapping], 'Callable[[], None] | None']
 KERNELS: dict[tuple, Kernel] = {}  # chain_sig -> kernel adapter
@@ -79,57 +82,139 @@ def _scaled_slices(b: Bucket, scale: torch.Tensor, keys: tuple[str, ...]):
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
 
 
+def _algo_keys(st: Mapping) -> set:
+    "A param's state entries that the chain computes: not fastai's flags, not whole-model callbacks' buffers."
+    return {k for k in st if not is_model_entry(k)} - set(FLAGS)
+
+
+def _divisor(p0: torch.Tensor, grad_scale: torch.Tensor | None, loss_scale: torch.Tensor | None,
+             scale_in_place: bool) -> torch.Tensor | None:
+    """The kernel's own `grad_scale`: a float32 divisor, which it applies to the grads and stores into them (ATen's CPU
+    and CUDA kernels alike). Right for GradScaler's scale (torch leaves the grads unscaled), and for a clip coefficient
+    only in place (`1 / coefficient`, in float32 as the kernel reads it: within an ulp of `grad * coefficient`)."""
+    divisor = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
+    if grad_scale is not None and scale_in_place:
+        inv = grad_scale.to(device=p0.device, dtype=torch.float64).reciprocal()
+        divisor = (inv if divisor is None else divisor.double() * inv).float()
+    return divisor
+
+
+def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tuple[str, ...],
+                call: Callable[..., None], on_dtensors: bool = False, grad_scale: torch.Tensor | None = None,
+                loss_scale: torch.Tensor | None = None, scale_in_place: bool = False) -> Callable[[], None] | None:
+    """A function stepping `b` with one of torch's fused kernels, or None where the kernel does not apply: what every
+    adapter shares. `buffers` are the param-shaped state entries the kernel updates (in its argument order), `numbers`
+    the hypers it takes as Python floats; `on_dtensors`: whether DTensor has a rule for the kernel (torch's Adam
+    kernels; not its SGD and Adagrad ones). `call(params, grads, [buffers of each key], grad_scale=divisor)` calls the
+    kernel once; it is called on the bucket whole, or, for a `grad_scale` not written into the grads (the grad
+    contract), on cache-sized runs of flat slices whose grads are scaled copies (`_scaled_slices`)."""
+    p0 = b.params[0]
+    lr = hyper['lr']  # a number, or a tensor on the params' device (the kernels take either: a tensor lr is read in them)
+    lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
+    if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
+    if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
+    if any(s[k].dtype != p0.dtype for s in b.states for k in buffers): return None
+    if any(p.grad.dtype != p0.dtype for p in b.params): return None
+    # a kernel walks grads and state in the param's memory order: all strides must match (a transposed param with a
+    # contiguous grad, channels_last) or it silently pairs the wrong elements
+    if any(p.grad.stride() != p.stride() or any(s[k].stride() != p.stride() for k in buffers)
+           for p, s in zip(b.params, b.states)): return None
+    copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
+    if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
+    divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)
+
+    def run():
+        if not copies:
+            call(b.params, [p.grad for p in b.params], *([s[k] for s in b.states] for k in buffers), grad_scale=divisor)
+        else:
+            for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=divisor)
+    return run
+
+
 def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool = False,
-                grad_scale: torch.Tensor | None = None, loss_scale: torch.Tensor | None = None,
-                scale_in_place: bool = False, op: str = '_fused_adamw_') -> Callable[[], None] | None:
+                op: str = '_fused_adamw_', **scales) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
-    `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; with `grad_scale`: on the grads times it, e.g.
-    clipped, on scaled copies, or with `scale_in_place` by the kernel's own divisor `1 / grad_scale`, which it writes
-    back into the grads; with `loss_scale`: on the grads divided by it, which the kernel writes back into them, as
-    torch's fused AdamW does under GradScaler; both: one divisor, `loss_scale / grad_scale`), or None if it does not
+    `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; `scales`: see `kernel_step`), or None if it does not
     apply. `op` names the torch kernel, looked up at each step: `'_fused_adam_'` (`fused_adam`) adds the L2 term
     `weight_decay * p` to the grad (negated, divided) inside its pass where `_fused_adamw_` shrinks the param, so it
     steps the chain with `l2_reg` in place of `weight_decay`, all else the same."""
     st, p0 = b.states[0], b.params[0]
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
-    # whole-model callbacks' per-param buffers ('accumulate_grads.grad_sum') are theirs, not the chain's: ignored here
-    if {k for k in st if not is_model_entry(k)} - {'do_wd', 'force_train'} != {*moments, 'step'}: return None
-    lr = hyper['lr']  # a number, or a tensor on the params' device (the kernel takes either: a tensor lr is read in it)
-    lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == b.params[0].device)
-    if 'dampening' in hyper or not lr_ok or not _is_float(hyper['mom'], hyper['sqr_mom'], hyper['eps'], hyper['wd']): return None
-    if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
-    if any(s[k].dtype != p0.dtype for s in b.states for k in moments): return None
-    if any(p.grad.dtype != p0.dtype for p in b.params): return None
-    # the kernel walks grads and state in the param's memory order: all strides must match (a transposed param with a
-    # contiguous grad, channels_last) or it silently pairs the wrong elements
-    if any(p.grad.stride() != p.stride() or any(s[k].stride() != p.stride() for k in moments)
-           for p, s in zip(b.params, b.states)): return None
-    copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
-    if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
-    def run():
-        step = st['step'] + 1
-        step_t = torch.tensor(float(step), device=p0.device)
-        kw = dict(lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], eps=hyper['eps'], amsgrad=amsgrad,
-                  weight_decay=hyper['wd'] if st.get('do_wd', True) else 0., maximize=maximize)
+    if _algo_keys(st) != {*moments, 'step'} or 'dampening' in hyper: return None
+    step = st['step'] + 1
+    step_t = torch.tensor(float(step), device=p0.device)
+
+    def call(ps, gs, *bufs, grad_scale):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
-        # the kernel's own `grad_scale` divides the grads and stores the quotients into them (ATen's CPU and CUDA
-        # kernels alike): right for GradScaler's scale (torch leaves the grads unscaled), and for a clip coefficient
-        # only in place (`1 / coefficient`, in float32 as the kernel reads it: within an ulp of `grad * coefficient`)
-        divisor = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
-        if grad_scale is not None and scale_in_place:
-            inv = grad_scale.to(device=p0.device, dtype=torch.float64).reciprocal()
-            divisor = (inv if divisor is None else divisor.double() * inv).float()
-        kw['grad_scale'] = divisor
-        if not copies:
-            bufs = [[s[k] for s in b.states] for k in moments] + no_max
-            getattr(torch, op)(b.params, [p.grad for p in b.params], *bufs, [step_t] * len(b.params), **kw)
-        else:
-            for ps, gs, *bufs in _scaled_slices(b, grad_scale, moments):
-                getattr(torch, op)(ps, gs, *bufs, *no_max, [step_t] * len(ps), **kw)
-        for s in b.states: s['step'] = step
-    return run
+        getattr(torch, op)(ps, gs, *bufs, *no_max, [step_t] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
+                           beta2=hyper['sqr_mom'], eps=hyper['eps'], weight_decay=_wd(hyper, st), amsgrad=amsgrad,
+                           maximize=maximize, grad_scale=grad_scale)
+    run = kernel_step(b, hyper, moments, ('mom', 'sqr_mom', 'eps', 'wd'), call, on_dtensors=True, **scales)
+    return None if run is None else _counting_steps(run, b, step)
 
 
 def fused_adam(b: Bucket, hyper: Mapping, **kw) -> Callable[[], None] | None:
     "`torch._fused_adam_` for cbopt's Adam chain with L2 (`l2_reg`): `fused_adamw` with that kernel (see there)."
     return fused_adamw(b, hyper, **kw, op='_fused_adam_')
+
+
+def fused_sgd(b: Bucket, hyper: Mapping, momentum: bool = False, dampened: bool = False, nesterov: bool = False,
+              maximize: bool = False, decoupled: bool = False, **scales) -> Callable[[], None] | None:
+    """`torch._fused_sgd_` doing exactly what cbopt's SGD chain does to `b`: `l2_reg` (or `weight_decay` at zero
+    decay: the kernel has no decoupled decay), then `sgd_step`, or with `momentum` the momentum buffer `grad_avg`
+    (`average_grad`, or `dampened_grad_avg` if `dampened`) and `momentum_step` (`nesterov_step` with `nesterov`);
+    `maximize`: after `negate_grad`; `scales`: see `kernel_step`. A step with the buffer present, as the chain's
+    callbacks take it (the first step, which creates it, runs the chain)."""
+    st = b.states[0]
+    buffers = ('grad_avg',) if momentum else ()
+    if _algo_keys(st) != set(buffers): return None
+    # a momentum chain at mom=0 still sets its buffer (to the grad), which the kernel would not touch; a nonzero
+    # `dampening` is only `dampened_grad_avg`'s (`average_grad` would read it as its own flag: Adam's dampening)
+    if momentum and hyper['mom'] == 0 or not dampened and hyper.get('dampening', 0): return None
+    if decoupled and _wd(hyper, st) != 0: return None
+
+    def call(ps, gs, *bufs, grad_scale):
+        torch._fused_sgd_(ps, gs, *(bufs or ([],)), weight_decay=0. if decoupled else _wd(hyper, st),
+                          momentum=hyper['mom'] if momentum else 0., lr=hyper['lr'],
+                          dampening=hyper['dampening'] if dampened else 0., nesterov=nesterov, maximize=maximize,
+                          is_first_step=False, grad_scale=grad_scale)
+    numbers = ('wd',) + (('mom',) if momentum else ()) + (('dampening',) if dampened else ())
+    return kernel_step(b, hyper, buffers, numbers, call, **scales)
+
+
+def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: bool = False,
+                  **scales) -> Callable[[], None] | None:
+    """`torch._fused_adagrad_` doing exactly what cbopt's Adagrad chain does to `b` (`l2_reg`, or `weight_decay` at
+    zero decay; `step_stat`, `sqr_grad_sum`, `adagrad_step`; `maximize`: after `negate_grad`; `scales`: see
+    `kernel_step`). Its first step fills `sqr_sum` with `initial_accumulator_value`, as `sqr_grad_sum` does."""
+    st, p0 = b.states[0], b.params[0]
+    if _algo_keys(st) != {'sqr_sum', 'step'}: return None
+    if decoupled and _wd(hyper, st) != 0: return None
+    step = st['step'] + 1
+    step_t = torch.tensor(float(step), device=p0.device)  # (the kernel reads it as a float: exact to 2**24 steps)
+
+    def call(ps, gs, sums, grad_scale):
+        torch._fused_adagrad_(ps, gs, sums, [step_t] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
+                              weight_decay=0. if decoupled else _wd(hyper, st), eps=hyper['eps'], maximize=maximize,
+                              grad_scale=grad_scale)
+    run = kernel_step(b, hyper, ('sqr_sum',), ('lr_decay', 'wd', 'eps', 'initial_accumulator_value'), call, **scales)
+    if run is None: return None
+
+    def first_fills():
+        if step == 1:
+            for s in b.states: s['sqr_sum'].fill_(hyper['initial_accumulator_value'])
+        run()
+    return _counting_steps(first_fills, b, step)
+
+
+def _wd(hyper: Mapping, st: Mapping):
+    "The group's weight decay, unless the bucket's params are flagged `do_wd=False` (fastai's flag)."
+    return hyper['wd'] if st.get('do_wd', True) else 0.
+
+
+def _counting_steps(run: Callable[[], None], b: Bucket, step: int) -> Callable[[], None]:
+    "`run`, then the bucket's step count `step`, as `step_stat` leaves it."
+    def counted():
+        run()
+        for s in b.states: s['step'] = step
+    return counted
