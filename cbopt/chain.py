@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from numbers import Number
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ import torch
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
-           'model_param_state', 'model_key', 'around_params']
+           'model_param_state', 'model_key', 'around_params', 'chain_counters']
 
 SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
@@ -225,6 +226,16 @@ def chain_scope(cbs: Iterable[Callable]) -> str | None:
     scopes = [scope(cb) for cb in param_chain(cbs)]
     if None in scopes: return None
     return 'tensor' if 'tensor' in scopes else 'element'
+
+
+def chain_counters(cbs: Iterable[Callable]) -> dict[str, type]:
+    """The per-param state entries a chain declares as Python numbers (step counts: `step_stat.state = dict(step=0)`),
+    with their types. Flags (bools) are not counters."""
+    out: dict[str, type] = {}
+    for cb in param_chain(cbs):
+        for k, v in (declared_state(cb) or {}).items():
+            if isinstance(v, Number) and not isinstance(v, bool): out.setdefault(k, type(v))
+    return out
 
 
 def zeros(p) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from .chain import cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, is_model_cb, transient_keys, unwrap
 from .engine.compiled import ScalarArgsAsTensors
 from .engine.foreach import run_param
+from .engine.traced import VALUE_READS as _VALUE_READS, number_tensor as _tensor
 from .hypers import Hypers, check_hyper
 from .optimizer import STANDARD_HYPERS, Optimizer, _check_read
 from .state.named import chain_initial_state
@@ -38,8 +39,6 @@ __all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPE
 
 HYPERS = 'hypers'  # the state's entry for the dynamic hypers (so no param may have this name)
 _DATA = torch._C.TensorBase.__dict__['data']  # the `.data` getter, as a torch function mode sees it
-_VALUE_READS = frozenset({torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
-                          torch.Tensor.__index__, torch.Tensor.tolist})
 
 
 _SYM = {torch.sym_max: torch.maximum, torch.sym_min: torch.minimum}
@@ -94,12 +93,6 @@ class _FunctionalMode(ScalarArgsAsTensors):
                     "vmap cannot batch. In the functional state the step count is a tensor, as is a hyper given as a "
                     "tensor: write the branch with torch.where, or run this chain without vmap") from e
         return super().__torch_function__(func, types, args, kwargs)
-
-
-def _tensor(v: Any, like: torch.Tensor) -> torch.Tensor:
-    "A number of the state (a step count) or a dynamic hyper as a 0-d float64 tensor on `like`'s device; a tensor as is."
-    if isinstance(v, torch.Tensor): return v
-    return torch.tensor(v, dtype=torch.float32 if like.device.type == 'mps' else torch.float64, device=like.device)
 
 
 def _records(tree: Any) -> bool:

@@ -30,6 +30,7 @@ from .auto import auto_bucket
 from . import buckets as bucketing
 from .buckets import Bucket, as_real, model_buckets
 from .compiled import fused_bucket
+from . import traced
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import has_kernel, register_kernel, torch_kernel
 
@@ -177,18 +178,28 @@ def _hypers(g, overrides: Mapping) -> dict:
     return {**h, **overrides[id(g)]} if id(g) in overrides else h
 
 
-@torch._dynamo.disable(reason="cbopt's step runs eagerly under an outer torch.compile: its own backends (the fused one "
-                        "compiles the chain with dynamic lr and step) do the compiling")
 def run_step(opt, closure: Callable | None = None, loss=None) -> None:
     """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
     callbacks (see the module docstring); then refresh `opt.step_stats`. `closure` and `loss` (what `opt.step(closure)`
     got from its first call) go to the whole-model callbacks that re-evaluate the model (`uses_closure`, as `lbfgs`):
     after such a step each param holds the grad of the closure's last evaluation, as with torch.optim.LBFGS.
 
-    Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) this
-    is one graph break: the step runs as in eager mode, with `opt`'s backend. Traced by dynamo, a step count or lr
-    held as a Python number would be guarded on and recompile every step, and the engine's bookkeeping (bucketing,
-    probes, timing) would be traced too; `backend='fused'` compiles the chain itself, with dynamic lr and step."""
+    Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) the
+    step is traced into the caller's graph (`traced`), or, where it cannot be (`traced.can_trace`), runs eagerly: one
+    graph break."""
+    if torch.compiler.is_compiling() and closure is None and traced.can_trace(opt): return traced.traced_step(opt)
+    _eager_step(opt, closure, loss)
+
+
+@torch._dynamo.disable(reason="cbopt's step runs eagerly here: its chain has a whole-model callback, GradScaler's inf "
+                        "check or a closure, its params are DTensors, or a callback reads a Python value of a tensor "
+                        "(see cbopt.engine.traced)")
+def _eager_step(opt, closure: Callable | None = None, loss=None) -> None:
+    "`run_step` in eager mode (the engine's counters as Python numbers: `traced.counters_as_numbers`)."
+    with traced.counters_as_numbers(opt): _eager_run(opt, closure, loss)
+
+
+def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
     for i, g in enumerate(opt.param_groups):  # schedule-free's rule: a group in eval mode must not step
         if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
             raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "

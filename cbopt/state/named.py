@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..chain import (chain_defaults, chain_name, chain_reads, init_chain_state, is_declared, model_param_state, param_chain,
-                     run_chain, transient_keys, unwrap)
+from ..chain import (chain_counters, chain_defaults, chain_name, chain_reads, init_chain_state, is_declared,
+                     model_param_state, param_chain, run_chain, transient_keys, unwrap)
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
@@ -64,12 +64,19 @@ def named_state_dict(opt: Optimizer) -> dict:
     state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
     earlier step's count)."""
     state = {}
-    for name, p in zip(opt.param_names, opt.params):
-        s = opt.state.get(p)
-        if s: state[name] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else _plain(v) for k, v in s.items()}
+    for g in opt.param_groups:
+        counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
+        for name, p in zip(g['param_names'], g['params']):
+            if s := opt.state.get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
+
+
+def _snapshot(v: Any, counter: type | None = None) -> Any:
+    "A state value as a checkpoint holds it: a tensor copied, a counter (`chain_counters`: its type) as a Python number."
+    if isinstance(v, torch.Tensor): return counter(v.item()) if counter is not None else v.detach().clone()
+    return _plain(v)
 
 
 def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:

@@ -1,0 +1,165 @@
+"""The step traced by an outer `torch.compile`: torch's compiled-optimizer recipe (`@torch.compile def step():
+opt.step()`) on cbopt optimizers, as torch's own optimizers trace: into the caller's graph, with no graph break, and
+no recompile as the step count grows or a tensor lr changes (a Python float lr is a constant of the graph, so a new
+one recompiles, as with torch's optimizers).
+
+How, in torch's way:
+- `prepare` runs when dynamo traces the step, not in the graph (as torch's `_init_group`, which dynamo calls at
+  trace time): it creates the state of params about to take their first step, so the graph finds it, and keeps each
+  chain's Python counters (`step`) as 0-d float64 tensors in the state, as torch keeps its `step`, so that a new
+  count is a new value of the same input, not a new constant. The eager step reads them back as Python numbers for
+  its step (`counters_as_numbers`) and `state_dict` saves them as numbers: checkpoints do not change.
+- the traced step runs each group's chain once per param (`run_param`, the `loop` backend's path; every backend
+  setting steps so under compile, the kernels being the compiler's). A tensor given where an op takes a number (a
+  tensor lr as `alpha=`, a bias correction from a tensor count as `value=`) is traced by dynamo as a tensor op (an
+  fma), as eager mode computes it.
+
+The step runs eagerly instead, one graph break (`run_step`'s eager path), where tracing cannot do what eager does:
+whole-model callbacks (clipping, accumulation, L-BFGS: their state is Python numbers in the param groups), a closure,
+GradScaler's inf check (`found_inf`), a group in eval mode (the eager step raises), params sharded as DTensors, and a
+chain whose callbacks read a Python value of a tensor (`if r > 5` on RAdam's rectification term, Lookahead's `la_step %
+k`: with a tensor count those are data-dependent branches), which `prepare` finds by running the chain on a copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from numbers import Number
+from typing import Any
+
+import torch
+
+from ..chain import chain_counters, is_declared, is_model_cb, param_chain, transient_keys
+from ..dtensor import is_dtensor
+from ..hypers import Hypers
+from .buckets import Bucket, as_real
+from .foreach import run_param
+
+__all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
+
+# what reads a Python value out of a tensor: a data-dependent branch when traced
+VALUE_READS = frozenset({torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
+                         torch.Tensor.__index__, torch.Tensor.tolist})
+
+
+class ValueRead(TypeError):
+    "A callback read a Python value of a tensor (an `if` on it, `.item()`, `float()`): it cannot be traced into a graph."
+
+
+class _RefuseValueReads(torch.overrides.TorchFunctionMode):
+    "Raises `ValueRead` where a callback reads a Python value of a tensor."
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in VALUE_READS: raise ValueRead(f"{func.__name__} of a tensor")
+        return func(*args, **(kwargs or {}))
+
+
+def number_tensor(v: Any, like: torch.Tensor) -> torch.Tensor:
+    """A Python number (a step count, a hyper) as a 0-d float64 tensor on `like`'s device (float32 on MPS, which has no
+    float64): exact for counts up to 2**53; a tensor is returned as it is."""
+    if isinstance(v, torch.Tensor): return v
+    return torch.tensor(v, dtype=torch.float32 if like.device.type == 'mps' else torch.float64, device=like.device)
+
+
+def groups(opt) -> list:
+    """`opt.param_groups`, read as a plain attribute: dynamo's handling of torch.optim's `param_groups` (for torch's
+    capturable flags) assumes plain dicts, and cbopt's groups are `ParamGroup`s."""
+    return opt.__dict__['param_groups']
+
+
+def _reads_values(cbs: list, p: torch.Tensor, state: Mapping, hyper: Mapping) -> bool:
+    "Whether the chain reads a Python value of a tensor, run on a copy of `p`, its grad and state (counters as tensors)."
+    q = p.detach().clone()
+    q.grad = p.grad.detach().clone()
+    counters = chain_counters(cbs)
+    st = {k: number_tensor(v, p) if k in counters else v.clone() if isinstance(v, torch.Tensor) else v
+          for k, v in state.items()}
+    try:
+        with _RefuseValueReads(): run_param(cbs, q, st, hyper, transient_keys(cbs))
+    except ValueRead: return True
+    return False
+
+
+@torch._dynamo.assume_constant_result
+def prepare(opt) -> bool:
+    """Run when dynamo traces a step, never in the graph (dynamo calls it eagerly and keeps its answer, as it does
+    torch's `_init_group`). Returns whether every group with grads can be traced (see the module docstring); if so,
+    creates the declared state of params about to take their first step and turns the chains' Python counters into
+    0-d float64 tensors (`number_tensor`), so the graph steps them as inputs. Nothing changes otherwise."""
+    from ..state.flags import split_flags
+    from ..state.named import initial_state
+    todo = []
+    with torch.no_grad():
+        for g in opt.param_groups:
+            ps = [p for p in g['params'] if p.grad is not None]
+            if not ps: continue
+            if any(is_dtensor(p) for p in ps): return False
+            cbs = param_chain(g['cbs'])
+            fresh = {p: initial_state(opt, p, g) for p in ps if is_declared(cbs) and not split_flags(opt.state[p])[0]}
+            p0 = ps[0]
+            with as_real(Bucket(g, [p0], [{**opt.state[p0], **fresh.get(p0, {})}])) as b:
+                if _reads_values(cbs, b.params[0], b.states[0], Hypers(g).snapshot()): return False
+            todo.append((g, cbs, fresh))
+        for g, cbs, fresh in todo:
+            for p, st in fresh.items(): opt.state[p].update(st)
+            counters = chain_counters(cbs)
+            for p in g['params']:
+                st = opt.state.get(p)
+                for k in counters:
+                    if st and isinstance(st.get(k), Number): st[k] = number_tensor(st[k], p)
+    opt.__dict__['_counters_are_tensors'] = True
+    return True
+
+
+def can_trace(opt) -> bool:
+    """Whether the step can be traced (see the module docstring). Run while tracing: what it reads is guarded, so a
+    change (GradScaler's flag, a group put in eval mode, a new chain) traces again."""
+    if getattr(opt, 'found_inf', None) is not None or getattr(opt, 'grad_scale', None) is not None: return False
+    for g in groups(opt):
+        if g.get('train_mode') is False: return False
+        for cb in g['cbs']:
+            if is_model_cb(cb): return False
+    return prepare(opt)
+
+
+def traced_step(opt) -> None:
+    """The step as dynamo traces it: each group's chain once per param with a grad, with the group's hypers (see the
+    module docstring); then `opt.step_stats`."""
+    lrs = []
+    for g in groups(opt):
+        hyper = Hypers(g).snapshot()
+        lrs.append(hyper.get('lr'))
+        params = g['params']
+        grads = [p.grad for p in params]  # read before the state, whose keys are the params: guarded as tensors, not
+        todo = [p for p, grad in zip(params, grads) if grad is not None]  # by identity (a new grad would retrace)
+        if not todo: continue
+        cbs = param_chain(g['cbs'])
+        transient = transient_keys(cbs)
+        with as_real(Bucket(g, todo, [opt.state[p] for p in todo])) as b:
+            for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
+    opt.step_stats = {'lr': lrs, 'skipped': False}
+
+
+@contextmanager
+def counters_as_numbers(opt) -> Iterator[None]:
+    """For an eager step (which buckets params by their counts and lets callbacks branch on them): the counters a
+    traced step keeps as tensors, as Python numbers of their declared type, written back into their tensors after,
+    so a traced step that follows finds the same inputs. Free for an optimizer that was never traced."""
+    if not opt.__dict__.get('_counters_are_tensors'):
+        yield
+        return
+    held = []
+    for g in opt.param_groups:
+        counters = chain_counters(param_chain(g['cbs']))
+        for p in g['params']:
+            st = opt.state.get(p)
+            if not st: continue
+            for k, kind in counters.items():
+                if isinstance(v := st.get(k), torch.Tensor):
+                    st[k] = kind(v.item())
+                    held.append((st, k, v))
+    try: yield
+    finally:
+        for st, k, t in held:
+            if isinstance(v := st.get(k), Number):
+                t.fill_(v)
+                st[k] = t
