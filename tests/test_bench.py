@@ -37,7 +37,8 @@ def test_table_json_png(quick_run):
     assert set(results['cases']) == {'gpt2', 'grid', 'lion', 'train'}
     names = [f'cbopt {b}' for b in results['backends']]
     assert 'loop' in results['backends']
-    assert list(results['cases']['gpt2']['results']) == [*names, 'cbopt auto, compiled step', 'torch fused', 'torch foreach', 'torch loop', 'fastai']
+    assert list(results['cases']['gpt2']['results']) == [*names, 'cbopt auto, compiled step', 'torch fused', 'torch foreach',
+                                                          'torch foreach, compiled step', 'torch loop', 'fastai']
     assert list(results['cases']['lion']['results']) == names
     assert list(results['cases']['train']['results']) == ['eager: backward + Adam.step', 'functional, compiled',
                                                            'functional, eager']

@@ -242,12 +242,14 @@ def adam_contenders(backends: list[str]) -> dict[str, Callable]:
     cb = lambda b: lambda ps: cbopt.Adam(ps, **ADAM, **backend_kw(b)).step
     return {**{f'cbopt {b}': cb(b) for b in backends}, 'cbopt auto, compiled step': compiled_step(cb('auto')),
             'torch fused': torch_adamw(fused=True), 'torch foreach': torch_adamw(foreach=True),
+            'torch foreach, compiled step': compiled_step(torch_adamw(foreach=True)),
             'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
 
 
 def compiled_step(factory: Callable) -> Callable:
-    """torch's compiled-optimizer recipe (`@torch.compile def step(): opt.step()`) around a contender: against the same
-    optimizer's eager row, what compiling the step costs or gains (cbopt's step is one graph break: it runs eagerly)."""
+    """torch's compiled-optimizer recipe (`@torch.compile def step(): opt.step()`, inductor) around a contender: against
+    the same optimizer's eager rows, what compiling the step gains (cbopt's step is traced into the graph, each chain
+    once per param: `cbopt.engine.traced`; its compile is in the warm-up, `warmup_extra_s`)."""
     def make(ps):
         step = factory(ps)
         return torch.compile(lambda: step())
