@@ -240,20 +240,8 @@ def adam_contenders(backends: list[str]) -> dict[str, Callable]:
     kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
     torch_adamw = lambda **mode: lambda ps: torch.optim.AdamW([p for _, p in ps], **kw, **mode).step
     cb = lambda b: lambda ps: cbopt.Adam(ps, **ADAM, **backend_kw(b)).step
-    return {**{f'cbopt {b}': cb(b) for b in backends}, 'cbopt auto, compiled step': compiled_step(cb('auto')),
-            'torch fused': torch_adamw(fused=True), 'torch foreach': torch_adamw(foreach=True),
-            'torch foreach, compiled step': compiled_step(torch_adamw(foreach=True)),
-            'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
-
-
-def compiled_step(factory: Callable) -> Callable:
-    """torch's compiled-optimizer recipe (`@torch.compile def step(): opt.step()`, inductor) around a contender: against
-    the same optimizer's eager rows, what compiling the step gains (cbopt's step is traced into the graph, each chain
-    once per param: `cbopt.engine.traced`; its compile is in the warm-up, `warmup_extra_s`)."""
-    def make(ps):
-        step = factory(ps)
-        return torch.compile(lambda: step())
-    return make
+    return {**{f'cbopt {b}': cb(b) for b in backends}, 'torch fused': torch_adamw(fused=True),
+            'torch foreach': torch_adamw(foreach=True), 'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
 
 
 def fastai_adam(ps) -> Callable[[], None]:
@@ -268,9 +256,12 @@ def lion_contenders(backends: list[str]) -> dict[str, Callable]:
 
 def train_contenders(compiler: str, bs: int = 64) -> tuple[dict[str, Callable[[], None]], Callable]:
     """A train step on the demo's MLP (16-64-64-1) and one fixed batch: eager `loss.backward()` + `cbopt.Adam.step()`
-    (the reference), and forward + `torch.func.grad` + `cbopt.functional(cbopt.Adam)`'s update, eager and compiled
-    whole with `fullgraph=True`. Also returns `gap(steps)`: the largest param difference from the reference after
-    `steps` steps from the same start."""
+    (the reference); the same with the step compiled by torch's compiled-optimizer recipe (`torch.compile(lambda:
+    opt.step(), fullgraph=True)`: cbopt's step traced into one graph, `cbopt.engine.traced`), and torch's AdamW (same
+    numerics) eager and compiled so; and forward + `torch.func.grad` + `cbopt.functional(cbopt.Adam)`'s update, eager
+    and compiled whole with `fullgraph=True`. Also returns `gap(steps)`: the largest param difference from the
+    reference after `steps` steps from the same start. (The compiled step is timed here, not on the GPT-2 set: traced
+    once per param, its inductor compile takes many minutes for GPT-2's 148 tensors on a CPU.)"""
     from torch.func import functional_call, grad
     from . import demo
     x, y = demo.make_data()
@@ -282,13 +273,18 @@ def train_contenders(compiler: str, bs: int = 64) -> tuple[dict[str, Callable[[]
         return fopt.update(params, grad(mse)(params), state)
     compiled = torch.compile(train_step, fullgraph=True, backend=compiler)
 
-    def eager_optimizer():
+    def eager_optimizer(torch_adamw: bool = False, compile_step: bool = False):
         model = demo.make_model(x.shape[1])
-        opt = cbopt.Adam(model.named_parameters(), **ADAM)
+        if torch_adamw:
+            opt = torch.optim.AdamW(model.parameters(), lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']),
+                                    eps=ADAM['eps'], weight_decay=ADAM['wd'], foreach=True)
+        else: opt = cbopt.Adam(model.named_parameters(), **ADAM)
+        # (torch's own step breaks the graph around itself, so only cbopt's is compiled with fullgraph)
+        opt_step = torch.compile(lambda: opt.step(), fullgraph=not torch_adamw, backend=compiler) if compile_step else opt.step
         def step():
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+            opt_step()
         return step, lambda: dict(model.named_parameters())
 
     def functional_step(fn):
@@ -297,8 +293,11 @@ def train_contenders(compiler: str, bs: int = 64) -> tuple[dict[str, Callable[[]
         def step(): box[:] = fn(*box)
         return step, lambda: box[0]
 
-    makers = {'eager: backward + Adam.step': eager_optimizer, 'functional, compiled': lambda: functional_step(compiled),
-              'functional, eager': lambda: functional_step(train_step)}
+    makers = {'eager: backward + Adam.step': eager_optimizer,
+              'backward + compiled Adam.step': lambda: eager_optimizer(compile_step=True),
+              'torch: backward + AdamW.step': lambda: eager_optimizer(torch_adamw=True),
+              'torch: backward + compiled AdamW.step': lambda: eager_optimizer(torch_adamw=True, compile_step=True),
+              'functional, compiled': lambda: functional_step(compiled), 'functional, eager': lambda: functional_step(train_step)}
 
     def gap(steps: int = 3) -> dict[str, float]:
         finals = {}
@@ -897,7 +896,7 @@ def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmu
             'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
 
 
-TRAIN_ROWS = 3
+TRAIN_ROWS = 6
 
 
 def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dict:
