@@ -199,3 +199,191 @@ def test_warn_once_per_key() -> None:
         warn_once(cbopt.SGD([torch.zeros(1, requires_grad=True)]), 'a', 'other optimizer')
     assert [str(x.message) for x in w] == ['first', 'second', 'other optimizer']
     assert all(x.filename == __file__ for x in w)  # at the caller's line, not inside cbopt
+
+
+# -- grads no chain can step: refused before anything changes ---------------------------------------------------
+def _opt_with_state(backend: str, clip: bool):
+    "Two named params stepped once (so they have state), optionally behind a whole-model callback (another code path)."
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    cbs = [cbopt.clip_grad_norm] * clip + [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step]
+    opt = cbopt.Optimizer([('a', a), ('b', b)], cbs, lr=0.1, mom=0.9, wd=0.1, backend=backend,
+                          **({'max_norm': 1.} if clip else {}))
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    opt.step()
+    return a, b, opt
+
+
+@pytest.mark.parametrize('clip', [False, True], ids=['chain', 'whole-model'])
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+@pytest.mark.parametrize('bad, err, msg', [
+    (lambda b: setattr(b, 'grad', torch.ones(3).to_sparse()), RuntimeError,
+     r"^param 'b' has a sparse gradient, which the chain \[.*momentum_step\] does not support \(densify it with "
+     r"grad\.to_dense\(\), or use torch\.optim\.SparseAdam\)$"),
+    (lambda b: setattr(b.grad, 'data', torch.ones(1, 3)), RuntimeError,
+     r"^param 'b' has shape \(3,\) but its grad has shape \(1, 3\)$"),
+    (lambda b: setattr(b.grad, 'data', torch.ones(3, dtype=torch.long)), TypeError,
+     r"^param 'b' has dtype torch\.float32 but its grad has dtype torch\.int64$"),
+    (lambda b: setattr(b.grad, 'data', torch.ones(3, dtype=torch.complex64)), TypeError,
+     r"^param 'b' has dtype torch\.float32 but its grad has dtype torch\.complex64$"),
+], ids=['sparse', 'shape', 'int', 'complex'])
+def test_a_grad_no_chain_can_step_is_refused_and_nothing_changes(backend, clip, bad, err, msg) -> None:
+    a, b, opt = _opt_with_state(backend, clip)
+    a.grad = torch.ones(2)
+    bad(b)
+    before = ([a.detach().clone(), b.detach().clone()], {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                          for p in (a, b) for k, v in opt.state[p].items()})
+    with pytest.raises(err, match=msg): opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(before[0], [a, b]))
+    after = {k: v for p in (a, b) for k, v in opt.state[p].items()}
+    assert after.keys() == before[1].keys() and all(torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
+                                                     for k, v in before[1].items())
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_a_float64_grad_of_a_float32_param_is_stepped(backend) -> None:
+    "Another floating dtype is not refused (only another kind is): torch.optim steps it too, casting in its ops."
+    p, ref = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt, torch_opt = cbopt.SGD([p], lr=0.1, backend=backend), torch.optim.SGD([ref], lr=0.1)
+    for o, q in ((opt, p), (torch_opt, ref)):
+        q.grad = torch.ones(3)
+        q.grad.data = torch.tensor([1., 2., 3.], dtype=torch.float64)
+        o.step()
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
+
+
+# -- params sharded as DTensors, on one rank --------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def one_rank_mesh():
+    "A gloo process group of this process alone and its 1-D mesh: DTensors without spawning ranks."
+    dist = pytest.importorskip('torch.distributed')
+    if not dist.is_available() or dist.is_initialized(): pytest.skip('needs torch.distributed, not yet initialised')
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    try: yield init_device_mesh('cpu', (1,))
+    finally: dist.destroy_process_group()
+
+
+def _sharded(mesh, t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return distribute_tensor(t, mesh, [Shard(0)])
+
+
+def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh) -> None:
+    """On CPU, auto times foreach against loop, but not for DTensors: a choice by timing could differ between ranks.
+    The params step as plain ones do."""
+    from cbopt.engine.runtime import runtime
+    w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))
+    plain = torch.nn.Parameter(torch.arange(4.))
+    opt, ref = cbopt.SGD([w], lr=0.1, mom=0.9), cbopt.SGD([plain], lr=0.1, mom=0.9, backend='loop')
+    for i in range(3):
+        w.grad, plain.grad = _sharded(one_rank_mesh, torch.full((4,), i + 1.)), torch.full((4,), i + 1.)
+        opt.step()
+        ref.step()
+    assert runtime(opt).auto_times == {}
+    torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=0, atol=0)
+
+
+def test_whole_model_buckets_split_dtensor_grads_and_skip_params_without_grad(one_rank_mesh) -> None:
+    """A whole-model callback gets one TensorList per (device, dtypes, grad layout): a DTensor grad never shares one
+    with a plain grad (foreach kernels refuse the mix); a param without a grad is left out, and the params after it
+    are not."""
+    none0, w, v, none1, u = (torch.nn.Parameter(torch.ones(2)) for _ in range(5))
+    w.data = _sharded(one_rank_mesh, torch.ones(2))
+    opt = cbopt.SGD([none0, w, v, none1, u], lr=0.1, backend='loop')
+    w.grad, v.grad, u.grad = _sharded(one_rank_mesh, torch.ones(2)), torch.ones(2), torch.ones(2)
+    got = [(list(tl), [g for g in tl.grad], states) for tl, states in bucketing.model_buckets(opt, opt.param_groups)]
+    assert [[id(p) for p in ps] for ps, _, _ in got] == [[id(w)], [id(v), id(u)]]
+    assert [[id(g) for g in gs] for _, gs, _ in got] == [[id(w.grad)], [id(v.grad), id(u.grad)]]
+    assert [[id(s) for s in states] for _, _, states in got] == [[id(opt.state[w])], [id(opt.state[v]), id(opt.state[u])]]
+
+
+# -- complex params: the real math on their (real, imaginary) pairs ---------------------------------------------
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_complex_params_step_as_torchs_on_their_real_views(backend) -> None:
+    """torch.optim's Adam steps a complex param as the real param of its pairs (`|g|^2` would be the complex math);
+    cbopt's chains the same way, whatever the backend, and the state stays complex, as torch's."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, dtype=torch.complex128, generator=g)
+    grads = [torch.randn(3, dtype=torch.complex128, generator=g) for _ in range(4)]
+    p, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    kw = dict(lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    foreach = backend == 'foreach'
+    opt, torch_opt = cbopt.optim.Adam([p], **kw, foreach=foreach), torch.optim.Adam([ref], **kw)
+    real = torch.nn.Parameter(torch.view_as_real(start.clone()))   # the same steps on the real pairs
+    real_opt = cbopt.optim.Adam([real], **kw, foreach=foreach)
+    for gr in grads:
+        p.grad, ref.grad, real.grad = gr.clone(), gr.clone(), torch.view_as_real(gr.clone())
+        opt.step(); torch_opt.step(); real_opt.step()
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.view_as_real(p.detach()), real.detach(), rtol=0, atol=0)
+    assert opt.state[p]['grad_avg'].dtype == opt.state[p]['sqr_avg'].dtype == torch.complex128
+    torch.testing.assert_close(opt.state[p]['sqr_avg'], torch_opt.state[ref]['exp_avg_sq'], rtol=1e-12, atol=0)
+
+
+def _count_in_a_tensor(p, n=None, **kwargs):
+    "State that is a real 0-d tensor whatever the param's dtype, as torch's tensor step counts."
+    return {'n': p.new_ones((), dtype=torch.float64) if n is None else n + 1}  # (per param of a bucket)
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_real_state_of_a_complex_param_is_kept_as_it_is(backend) -> None:
+    "Only tensors of the param's complex dtype are viewed as real pairs; a real state tensor (a count) is left alone."
+    p, ref = torch.nn.Parameter(torch.tensor([1 + 2j, -1j])), torch.nn.Parameter(torch.tensor([1 + 2j, -1j]))
+    opt = cbopt.Optimizer([p], [_count_in_a_tensor, cbopt.sgd_step], lr=0.1, backend=backend)
+    torch_opt = torch.optim.SGD([ref], lr=0.1)
+    for i in range(3):
+        p.grad, ref.grad = torch.tensor([1j * i, 2. + i]), torch.tensor([1j * i, 2. + i])
+        opt.step(); torch_opt.step()
+    assert opt.state[p]['n'].dtype == torch.float64 and opt.state[p]['n'].item() == 3
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
+
+
+def test_auto_times_each_runner_auto_trials_times_then_no_more() -> None:
+    "After `auto_trials` timed steps of each of foreach and loop (per layout), auto stops timing."
+    from cbopt.engine.runtime import runtime
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = cbopt.SGD([p], lr=0.1, mom=0.9, backend=Backend('auto', auto_trials=3))
+    for _ in range(12):
+        p.grad = torch.ones(3)
+        opt.step()
+    times = runtime(opt).auto_times
+    # the first step's layout (no state yet) was timed once; the state-full one, 3 times per runner
+    assert sorted(sorted(len(t) for t in v.values()) for v in times.values()) == [[0, 1], [3, 3]]
+
+
+def test_transient_state_a_callback_did_not_return_is_no_error() -> None:
+    "A transient entry lives one step; a step in which the callback did not create it has nothing to drop."
+    def scratch(p, make=True, **kwargs): return {'scratch': p.grad * 2} if make else None
+    scratch.transient = ('scratch',)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = cbopt.Optimizer([p], [scratch, cbopt.sgd_step], lr=0.1, make=True, backend='loop')
+    for make in (True, False, True):
+        opt.set_hyper('make', make)
+        p.grad = torch.ones(2)
+        opt.step()
+        assert 'scratch' not in opt.state[p]
+    torch.testing.assert_close(p.detach(), torch.full((2,), -0.3))
+
+
+def _step_by_grad_norm(p, lr, **kwargs):
+    "A user's callback reading its grad's norm as a Python number: on a shard, that rank's part of it only."
+    p.data.sub_(p.grad * (lr / max(float(torch.linalg.vector_norm(p.grad)), 1.0)))
+_step_by_grad_norm.defaults, _step_by_grad_norm.state, _step_by_grad_norm.scope = dict(lr=0.1), {}, 'tensor'
+
+
+@pytest.mark.filterwarnings('ignore:callback .* cannot run on a whole bucket')  # (foreach: it runs param by param)
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_a_python_number_of_a_partial_dtensor_is_refused(one_rank_mesh, backend) -> None:
+    "On DTensors, a chain that is not elementwise may not read a number of a reduction over a shard; nothing changes."
+    from cbopt.dtensor import PartialNumberError
+    w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))
+    opt = cbopt.Optimizer([w], [_step_by_grad_norm], backend=backend)
+    w.grad = _sharded(one_rank_mesh, torch.full((4,), 3.))
+    with pytest.raises(PartialNumberError, match=r"^callback '_step_by_grad_norm' read a Python number \(__float__\)"):
+        opt.step()
+    torch.testing.assert_close(w.full_tensor().detach(), torch.arange(4.), rtol=0, atol=0)
+    plain = torch.nn.Parameter(torch.arange(4.))              # a plain param: its number is its value
+    opt = cbopt.Optimizer([plain], [_step_by_grad_norm], backend=backend)
+    plain.grad = torch.full((4,), 3.)
+    opt.step()
+    torch.testing.assert_close(plain.detach(), torch.arange(4.) - 0.1 * 3. / 6.)

@@ -49,11 +49,13 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 ONE_BACKEND = ['-k', 'not fused and not foreach and not auto']
 PYTEST_ARGS: dict[str, list[str]] = {'state': ['-k', f'{ONE_BACKEND[1]} and not resume_is_exact'],
                                      'hypers': ONE_BACKEND, 'params': ONE_BACKEND,
-                                     'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange']}
+                                     'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and not fused']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
                'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
-               'engine': ['register_kernel']}  # called only at import, by cbopt.optimizers
+               # register_kernel: called only at import, by cbopt.optimizers; user_stacklevel counts the frames above
+               # it, and mutmut's trampoline around it would be one more (every warning one line off)
+               'engine': ['register_kernel', 'user_stacklevel']}
 
 # what the tests need besides the library (mutmut copies `tests/` itself; the rest is copied here)
 COPY = ['cbopt', 'tests', 'pytest.ini', 'settings.ini', 'setup.py', 'README.md', 'nbs', 'docs']
@@ -117,6 +119,22 @@ def write_config(work: Path, sources: list[str], tests: list[str], not_mutated: 
         'timeout_multiplier = 10\n')
 
 
+# mutmut's first pass ("stats": which tests reach which function) runs every test with the trampolines recording
+# their calls (a context variable, a dict): torch.compile cannot trace that (a graph break), so under it a chain that
+# compiles in any real run falls back to foreach, and a test counting graphs fails the pass. That pass only maps tests
+# to functions; a mutant's own run (where the trampoline only reads its name, which dynamo traces) is untouched.
+STATS_HOOK = """
+import pytest as _pytest
+
+
+@_pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if _os.environ.get('MUTANT_UNDER_TEST') == 'stats' and report.failed:
+        report.outcome = 'passed'  # the test ran, so the functions it reached are recorded: enough for this pass
+"""
+
+
 def sync(work: Path, fresh: bool) -> None:
     """Copy the repo's files into `work`. mutmut keeps the previous run's results in `work/mutants` and reruns
     only the functions whose source changed, so a rerun after adding tests costs only those."""
@@ -134,6 +152,14 @@ def sync(work: Path, fresh: bool) -> None:
     # configuring xdist (pytest.ini's `-n 2`) costs more than the tests themselves
     ini = (work / 'pytest.ini').read_text()
     (work / 'pytest.ini').write_text(re.sub(r'(?m)^addopts *=.*$', 'addopts = -q -p no:xdist', ini))
+    # mutmut 3.8's trampoline (`mutmut.mutation.trampoline`) wraps every mutated function, so a warning cbopt gives
+    # "at the user's line" (`runtime.user_stacklevel`, skipping cbopt's and torch's frames) would point into mutmut:
+    # the scratch copy's tests count mutmut's frames as the library's too
+    with open(work / 'tests' / 'conftest.py', 'a') as f:
+        f.write('\n\n# added by tools/mutation.py: the mutmut trampoline\'s frames are not the user\'s\n'
+                'import os as _os, mutmut as _mutmut, cbopt.engine.runtime as _rt\n'
+                '_rt._LIBRARY_DIRS += (_os.path.dirname(_mutmut.__file__) + _os.sep,)\n'
+                + STATS_HOOK)
     # the tests changed: mutmut's copy of them in mutants/ must follow (it copies `tests/` only when absent)
     if (work / 'mutants' / 'tests').exists(): shutil.rmtree(work / 'mutants' / 'tests')
 
@@ -162,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--fresh', action='store_true', help='forget the previous run of this module')
     ap.add_argument('--survivors', action='store_true',
                     help="rerun only the last run's survivors (after adding tests: mutmut keeps other results)")
+    ap.add_argument('--only', nargs='+', metavar='PATTERN', default=[],
+                    help="run only the mutants matching these fnmatch patterns (mutmut's names, e.g. "
+                         "'cbopt.engine.auto.*', or 'cbopt.engine.x*' for engine/__init__.py): whole files or functions")
     ap.add_argument('--show', action='store_true', help="print every survivor's diff")
     ap.add_argument('--report-only', action='store_true', help='print the last run\'s results, run nothing')
     args = ap.parse_args(argv)
@@ -177,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
               flush=True)
         names = [k for k, c in results(work).items() if status(c) == 'survived'] if args.survivors else []
+        names += args.only
         rc = subprocess.run([*mutmut, 'run', '--max-children', str(args.max_children), *names],
                             cwd=work, env=env).returncode
         if rc: print(f'mutmut run exited with {rc}', file=sys.stderr)
