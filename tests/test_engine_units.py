@@ -387,3 +387,17 @@ def test_a_python_number_of_a_partial_dtensor_is_refused(one_rank_mesh, backend)
     plain.grad = torch.full((4,), 3.)
     opt.step()
     torch.testing.assert_close(plain.detach(), torch.arange(4.) - 0.1 * 3. / 6.)
+
+
+def test_an_undeclared_chain_is_dry_run_once_per_group() -> None:
+    """The loop runs an undeclared chain once on a copy (refusing two callbacks creating one entry) the first time
+    it steps a group, not at every step: a callback's calls are then one more than its params' steps."""
+    calls = []
+    def counted(p, **kwargs): calls.append(p.numel())
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = cbopt.Optimizer([[a], [b]], [counted, cbopt.sgd_step], lr=0.1, backend='loop')
+    for _ in range(3):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        opt.step()
+    assert calls == [2, 2, 3, 3] + [2, 3] * 2     # step 1: each group's copy, then the group
+    torch.testing.assert_close(a.detach(), torch.full((2,), -0.3))

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,11 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
               flush=True)
         names = [k for k, c in results(work).items() if status(c) == 'survived'] if args.survivors else []
-        names += args.only
+        # (mutmut reruns every mutant it is given by name, checked or not: give it only the unchecked ones)
+        names += [k for k, c in results(work).items() if c is None and any(fnmatch(k, pat) for pat in args.only)]
+        if args.only and not names:
+            print('every mutant matching --only has been checked', file=sys.stderr)
+            return report(args, work, env, mutmut)
         rc = subprocess.run([*mutmut, 'run', '--max-children', str(args.max_children), *names],
                             cwd=work, env=env).returncode
         if rc: print(f'mutmut run exited with {rc}', file=sys.stderr)
+    return report(args, work, env, mutmut)
 
+
+def report(args, work: Path, env: dict, mutmut: list[str]) -> int:
+    "Print the counts per file, the score and the survivors of the run recorded in `work`."
     codes = results(work)
     if not codes:
         print('no mutants recorded', file=sys.stderr)
