@@ -274,7 +274,7 @@ def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh) -> None:
     from cbopt.engine.runtime import runtime
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))
     plain = torch.nn.Parameter(torch.arange(4.))
-    opt, ref = cbopt.SGD([w], lr=0.1, mom=0.9), cbopt.SGD([plain], lr=0.1, mom=0.9, backend='loop')
+    opt, ref = cbopt.RMSProp([w], lr=0.1), cbopt.RMSProp([plain], lr=0.1, backend="loop")  # (no torch kernel)
     for i in range(3):
         w.grad, plain.grad = _sharded(one_rank_mesh, torch.full((4,), i + 1.)), torch.full((4,), i + 1.)
         opt.step()
@@ -342,7 +342,7 @@ def test_auto_times_each_runner_auto_trials_times_then_no_more() -> None:
     "After `auto_trials` timed steps of each of foreach and loop (per layout), auto stops timing."
     from cbopt.engine.runtime import runtime
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = cbopt.SGD([p], lr=0.1, mom=0.9, backend=Backend('auto', auto_trials=3))
+    opt = cbopt.RMSProp([p], lr=0.1, backend=Backend("auto", auto_trials=3))  # (no torch kernel: auto times it)
     for _ in range(12):
         p.grad = torch.ones(3)
         opt.step()
