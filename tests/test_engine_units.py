@@ -401,3 +401,28 @@ def test_an_undeclared_chain_is_dry_run_once_per_group() -> None:
         opt.step()
     assert calls == [2, 2, 3, 3] + [2, 3] * 2     # step 1: each group's copy, then the group
     torch.testing.assert_close(a.detach(), torch.full((2,), -0.3))
+
+
+def _forget_at_step_2(p, step=0, prev=None, **kwargs):
+    "State that a callback sets to None on its second step (Python control flow on a Python value is allowed)."
+    return {'step': step + 1, 'prev': None if step == 1 else p.grad * 1}
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_a_state_entry_set_to_none_is_none_in_every_backend(backend) -> None:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = cbopt.Optimizer([a, b], [_forget_at_step_2, cbopt.sgd_step], lr=0.1, backend=backend)
+    for i in range(2):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        opt.step()
+        assert [opt.state[p]['prev'] is None for p in (a, b)] == [i == 1] * 2
+
+
+def test_a_callback_returning_state_for_fewer_params_than_its_bucket_is_an_error() -> None:
+    "foreach gives each param its own tensor of a returned TensorList: one of another length is refused, not cut."
+    from cbopt.tensorlist import TensorList
+    def short(p, **kwargs): return {'buf': TensorList(list(p.grad)[:1])}
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = cbopt.Optimizer([a, b], [short, cbopt.sgd_step], lr=0.1, backend='foreach')
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    with pytest.raises(ValueError, match='zip'): opt.step()
