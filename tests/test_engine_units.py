@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import cbopt
+from cbopt.chain import per_tensor, zeros
 from cbopt.engine import Backend, as_backend
 from cbopt.engine import buckets as bucketing
-from cbopt.engine.compiled import ScalarArgsAsTensors, can_flatten, flat_chunks, shape_chunks
+from cbopt.engine.compiled import PAD_NUMEL, ScalarArgsAsTensors, can_flatten, flat_chunks, padding, shape_chunks
 from cbopt.engine.runtime import warn_once
 
 
@@ -68,10 +69,27 @@ def test_shape_chunks() -> None:
 
 
 def test_flat_chunks() -> None:
-    "Flat params go in runs of `chunk` in their order, the last one shorter: GPT-2's 148 params in 4 x 32 + 20."
-    assert [len(c) for c in flat_chunks(148, 32)] == [32] * 4 + [20]
-    assert [i for c in flat_chunks(148, 32) for i in c] == list(range(148))
+    "Flat params go in runs of `chunk` in their order, the last one shorter: GPT-2's 148 params in 18 x 8 + 4."
+    assert [len(c) for c in flat_chunks(148, 8)] == [8] * 18 + [4]
+    assert [i for c in flat_chunks(148, 8) for i in c] == list(range(148))
     assert flat_chunks(3, 32) == [[0, 1, 2]] and flat_chunks(4, 2) == [[0, 1], [2, 3]]
+
+
+def test_padding_is_scratch_of_the_same_kinds() -> None:
+    """A short run's padding: fresh zeros of `PAD_NUMEL` elements for the param, its grad and its param-shaped state
+    (a bfloat16 state stays one), and a copy of any other state tensor, so that nothing the chain does to them reaches the
+    params it pads for."""
+    p = torch.arange(6, dtype=torch.float64)
+    p.grad = torch.ones(6, dtype=torch.float64)
+    state = {'avg': torch.full((6,), 3., dtype=torch.bfloat16), 'count': torch.tensor(5)}
+    params, states = padding(p, state, 2)
+    assert len(params) == len(states) == 2 and params[0] is not params[1] and states[0]['count'] is not states[1]['count']
+    for q, st in zip(params, states):
+        assert q.shape == q.grad.shape == st['avg'].shape == (PAD_NUMEL,) and not q.any() and not q.grad.any()
+        assert (q.dtype, q.grad.dtype, st['avg'].dtype) == (torch.float64, torch.float64, torch.bfloat16)
+        assert st['count'] is not state['count'] and st['count'].item() == 5
+        st['count'].add_(1)
+    assert state['count'].item() == 5
 
 
 def _graphs() -> int:
@@ -79,27 +97,44 @@ def _graphs() -> int:
     return counters['stats']['unique_graphs']
 
 
-def test_an_elementwise_chain_compiles_one_graph_per_chunk_length() -> None:
-    """cbopt.Lion (every callback elementwise) over 10 params of ranks 1 to 4 and many sizes, in chunks of 4: flat
-    params, so two graphs (chunks of 4 and of 2) whatever the shapes, over 4 steps; the same params as the loop, and
-    its state keeps each param's shape. A transposed grad (not contiguous: no flat alias) steps by shape instead."""
+def counted_lion(p, lr, mom, sqr_mom, grad_avg=None, count=None, **kwargs):
+    "Lion's step and average, and a per-param 0-d tensor counting this param's steps, which scales its lr."
+    if grad_avg is None: grad_avg, count = torch.zeros_like(p.data), per_tensor(lambda q: q.new_zeros(()), p.data)
+    count.add_(1)
+    p.data.add_(grad_avg.mul(mom).add_(p.grad.data, alpha=1 - mom).sign_().mul_(count), alpha=-lr)
+    grad_avg.mul_(sqr_mom).add_(p.grad.data, alpha=1 - sqr_mom)
+    return {'grad_avg': grad_avg, 'count': count}
+counted_lion.state = dict(grad_avg=zeros, count=lambda p: p.new_zeros(()))
+
+
+@pytest.mark.parametrize('chain', ['lion', 'counted_lion'])
+def test_an_elementwise_chain_compiles_one_graph(chain) -> None:
+    """An elementwise chain (cbopt.Lion; a user's Lion with a 0-d tensor state per param) over 10 params of ranks 1 to
+    4 and many sizes, in runs of 4: flat params, the last run (2 params) padded to 4, so one graph whatever the shapes,
+    over 4 steps; the same params and state as the loop, and the state keeps each param's shape. A transposed grad (not
+    contiguous: no flat alias) steps by shape instead."""
     shapes = [(5,), (3, 4), (7,), (2, 3, 4), (4, 3), (6,), (2, 2, 2, 2), (9,), (5, 5), (3,)]
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=g) for s in shapes]
     grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
     def run(backend):
         ps = [torch.nn.Parameter(t.clone()) for t in start]
-        opt = cbopt.Lion(ps, lr=0.1, wd=0.1, backend=backend)
+        opt = (cbopt.Lion(ps, lr=0.1, wd=0.1, backend=backend) if chain == 'lion' else
+               cbopt.Optimizer(ps, [cbopt.weight_decay, counted_lion], lr=0.1, wd=0.1, mom=0.9, sqr_mom=0.99,
+                               backend=backend))
         for gs in grads:
             for p, gr in zip(ps, gs): p.grad = gr.clone()
             opt.step()
         return ps, opt
+    torch._dynamo.reset()
     before = _graphs()
     fused, opt = run(cbopt.Backend('fused', compiler='eager', compile_chunk=4))
-    assert _graphs() - before == 2
-    loop, _ = run('loop')
+    assert _graphs() - before == 1
+    loop, loop_opt = run('loop')
     for a, b in zip(fused, loop): torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(fused, loop): torch.testing.assert_close(opt.state[a], loop_opt.state[b], rtol=1e-6, atol=1e-7)
     assert [tuple(opt.state[p]['grad_avg'].shape) for p in fused] == shapes
+    if chain == 'counted_lion': assert all(opt.state[p]['count'].item() == 4 for p in fused)
     bucket = bucketing.buckets(opt)[0]
     assert can_flatten(bucket)
     fused[1].grad = torch.randn(4, 3, generator=g).t()

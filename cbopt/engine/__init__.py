@@ -45,7 +45,7 @@ class Backend:
     `Optimizer(..., backend='fused')` is `backend=Backend('fused')`; pass a `Backend` to change a setting."""
     kind: str = 'auto'
     compiler: str = 'inductor'        # torch.compile backend of the fused runner ('aot_eager': tracing without codegen)
-    compile_chunk: int = 32           # params per compiled call: bounds compile time
+    compile_chunk: int = 8            # params per compiled call: more compile per graph, fewer calls per step
     cpu_chunk_bytes: int = 4 << 20    # foreach on CPU: about what stays in cache between the chain's ops
     auto_trials: int = 2              # timed steps of each of foreach and loop before auto settles, per bucket layout
 

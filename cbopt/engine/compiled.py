@@ -61,29 +61,33 @@ def _fused_chain_fn(cbs, name: str) -> Callable:
     "The chain over a list of params as one function, under a code object of its own (torch.compile caches per code)."
     transient = transient_keys(cbs)
     def fused_chain(params, tstates, pystate, hyper):
-        new_t, new_py = [], {}
+        new_t, new_py = [], None
         with ScalarArgsAsTensors():
             for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
                 st = {**pystate, **ts}
                 run_chain(cbs, p, st, hyper)
                 new_t.append({k: v for k, v in st.items()
                               if isinstance(v, torch.Tensor) and v is not ts.get(k) and k not in transient})
-                new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor) and k not in transient}
+                if new_py is None:  # (the first param's: a run's padding, if any, comes last)
+                    new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor) and k not in transient}
         return new_t, new_py
     code = fused_chain.__code__.replace(co_name=name)
     return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
 
 
-def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat: bool = False) -> Callable:
-    """The chain compiled for the params `idx` of `b`, with dynamic shapes and Python numbers: a change of lr or step
-    does not recompile. Compiled once per chain and layout (device, dtype, ranks, or the count of flat params, state
-    keys) in this process."""
+def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | None = None) -> Callable:
+    """The chain compiled for the params `idx` of `b` (flat: for runs of `flat_run` flat params), with dynamic shapes
+    and Python numbers: a change of lr or step does not recompile. Compiled once per chain and layout (device, dtype,
+    ranks or run length, state keys) in this process."""
     p0 = b.params[idx[0]]
-    ranks = ('flat', len(idx)) if flat else tuple(b.params[i].ndim for i in idx)
+    ranks = ('flat', flat_run) if flat_run else tuple(b.params[i].ndim for i in idx)
     key = (compiler, chain_sig(cbs), p0.device, p0.dtype, ranks, tuple(b.states[idx[0]]))
     if key not in _COMPILED:
         fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
-        _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=True)
+        # dynamic shapes come from `compiled_bucket`'s config patch, once per bucket: `dynamic=True` would patch the
+        # config again at every call; inductor's size asserts repeat what dynamo's guards checked before the call
+        options = {'size_asserts': False} if compiler == 'inductor' else None
+        _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, options=options)
     return _COMPILED[key]
 
 
@@ -101,9 +105,26 @@ def shape_chunks(shapes: list[tuple], chunk: int) -> list[list[int]]:
 
 
 def flat_chunks(n: int, chunk: int) -> list[list[int]]:
-    """Indices `0..n-1` in runs of `chunk`, the last one shorter: for flat params, whose sizes are all symbolic, a
-    graph serves every run of its length (two graphs at most per bucket layout)."""
+    """Indices `0..n-1` in runs of `chunk`, the last one shorter (`compiled_bucket` pads it to the others' length):
+    for flat params, whose sizes are all symbolic, one graph serves every run of a length."""
     return [list(range(j, min(j + chunk, n))) for j in range(0, n, chunk)]
+
+
+PAD_NUMEL = 2  # the smallest size dynamo keeps symbolic (it specialises 0 and 1)
+
+
+def padding(p: torch.Tensor, tstate: Mapping, n: int) -> tuple[list, list]:
+    """`n` scratch stand-ins for the flat param `p` (with its grad) and its state `tstate`, of `PAD_NUMEL` elements
+    each (an entry that is not param-shaped is cloned): they fill a short last run up to the length of the others, so
+    that it calls their graph instead of compiling one more. What the chain computes on them is dropped."""
+    scratch = lambda v: v.new_zeros(PAD_NUMEL) if v.shape == p.shape else v.clone()
+    params, tstates = [], []
+    for _ in range(n):
+        q = scratch(p)
+        q.grad = scratch(p.grad)
+        params.append(q)
+        tstates.append({k: scratch(v) for k, v in tstate.items()})
+    return params, tstates
 
 
 def can_flatten(b: Bucket) -> bool:
@@ -123,8 +144,8 @@ def flat_alias(t: torch.Tensor) -> torch.Tensor:
 
 def flat_param(p: torch.Tensor) -> torch.Tensor:
     "The param as an elementwise chain sees it: its memory as a 1-D tensor, whose `.grad` is its grad's."
-    v = flat_alias(p.detach())
-    v.grad = flat_alias(p.grad.detach())
+    v = flat_alias(p)  # (a new tensor: it does not require grad, whatever `p` does)
+    v.grad = flat_alias(p.grad)
     return v
 
 
@@ -143,16 +164,21 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     flat = not on_shards and can_flatten(b)  # (a shard's local tensors step by shape, as before)
     chunks = (flat_chunks(len(b.params), options.compile_chunk) if flat else
               shape_chunks([p.shape for p in b.params], options.compile_chunk))
+    run = options.compile_chunk  # flat: every run is padded to this length, so all call one graph
     hyper = dict(hyper)
     shaped = lambda p, v: flat_alias(v) if flat and v.shape == p.shape else local(v)
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False), \
+    fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for every run)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False, assume_static_by_default=False), \
             torch.fx.experimental._config.patch(use_duck_shape=not flat):  # flat: every size its own symbol
         for j, idx in enumerate(chunks):
             tstates = [{k: shaped(b.params[i], v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)}
                        for i in idx]
             params = [flat_param(b.params[i]) if flat else local_param(b.params[i]) if on_shards else b.params[i]
                       for i in idx]
-            fn = compiled_chain(b.cbs, options.compiler, b, idx, flat)
+            if flat and len(idx) < run:
+                pad_params, pad_states = padding(params[-1], tstates[-1], run - len(idx))
+                params, tstates = params + pad_params, tstates + pad_states
+            if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx)
             try: new_t, new_py = fn(params, tstates, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
                 rest = [i for c in chunks[j:] for i in c]
