@@ -53,6 +53,8 @@ def test_cache_chunks_by_bytes() -> None:
     assert all(c.group is b.group for c in chunks)
     big = _bucket(30, 10)                            # a first param larger than a chunk: alone, no empty chunk before it
     assert [[p.numel() for p in c.params] for c in bucketing.cache_chunks(big, 100)] == [[30], [10]]
+    exact = _bucket(10, 15, 1)                       # 40 + 60 bytes fill the first chunk exactly
+    assert [[p.numel() for p in c.params] for c in bucketing.cache_chunks(exact, 100)] == [[10, 15], [1]]
     whole = bucketing.cache_chunks(b, 1 << 20)
     assert len(whole) == 1 and whole[0].params == b.params
 
