@@ -13,6 +13,7 @@ import cbopt
 from cbopt.chain import per_tensor, zeros
 from cbopt.engine import Backend, as_backend
 from cbopt.engine import buckets as bucketing
+from cbopt.engine import compiled
 from cbopt.engine.compiled import PAD_NUMEL, ScalarArgsAsTensors, can_flatten, flat_chunks, padding, shape_chunks
 from cbopt.engine.runtime import warn_once
 
@@ -156,9 +157,11 @@ def test_python_state_that_cannot_be_hashed_gets_a_bucket_per_param() -> None:
 
 
 # -- the compiled chain's rewrite of Python numbers --------------------------------------------------------------
-def test_scalar_args_as_tensors_computes_the_same() -> None:
+@pytest.mark.parametrize('scalars_once', [False, True])
+def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> None:
     """Under the mode, `alpha=`, `value=`, a number `lerp` weight and clamp bounds become tensor ops: the values are
-    those of the plain ops, and the in-place ops still write into their tensor and return it."""
+    those of the plain ops, and the in-place ops still write into their tensor and return it; with `scalars_once`
+    (the compiled chain's), numbers and 0-d tensors that arithmetic on a tensor reads pass through `cbopt::scalar`."""
     g = torch.Generator().manual_seed(0)
     x, y, z = (torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3))
     lo = torch.full((5,), -0.3, dtype=torch.float64)
@@ -168,19 +171,24 @@ def test_scalar_args_as_tensors_computes_the_same() -> None:
         'lerp': lambda: x.lerp(y, 0.3), 'torch.lerp': lambda: torch.lerp(x, y, 0.6), 'lerp-tensor': lambda: x.lerp(y, z),
         'clamp': lambda: x.clamp(-0.2, 0.5), 'clamp-min': lambda: torch.clamp(x, min=-0.1), 'clip-max': lambda: x.clip(max=0.1),
         'clamp-tensor': lambda: x.clamp(min=lo), 'mul': lambda: x.mul(2.5),
+        'scalar-math': lambda: (x * (0.9 ** 3) / (1 - torch.tensor(0.3, dtype=torch.float64))).sub(y, alpha=1 / 7),
+        'rsub': lambda: 1. - x / torch.tensor(3., dtype=torch.float64),
     }
+    barriers, real = [], compiled.scalar
+    monkeypatch.setattr(compiled, 'scalar', lambda v: barriers.append(v) or real(v))
     for name, op in ops.items():
         expected = op()
-        with ScalarArgsAsTensors(): got = op()
+        with ScalarArgsAsTensors(scalars_once): got = op()
         torch.testing.assert_close(got, expected, rtol=1e-15, atol=0, msg=name)
     for name, op in {'add_': lambda t: t.add_(y, alpha=0.7), 'addcdiv_': lambda t: t.addcdiv_(y, z.abs() + 1, value=2.),
                      'lerp_': lambda t: t.lerp_(y, 0.3), 'clamp_': lambda t: t.clamp_(-0.2, 0.5),
                      'clip_': lambda t: t.clip_(min=0.)}.items():
         expected = op(x.clone())
         t = x.clone()
-        with ScalarArgsAsTensors(): got = op(t)
+        with ScalarArgsAsTensors(scalars_once): got = op(t)
         assert got is t, name
         torch.testing.assert_close(t, expected, rtol=1e-15, atol=0, msg=name)
+    assert bool(barriers) == scalars_once and all(v.dim() == 0 for v in barriers)
 
 
 # -- step stats and whole-model contract ------------------------------------------------------------------------

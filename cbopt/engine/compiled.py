@@ -27,10 +27,29 @@ from .runtime import runtime, warn_once
 __all__ = ['ScalarArgsAsTensors', 'compiled_bucket', 'fused_bucket']
 
 
+@torch.library.custom_op('cbopt::scalar', mutates_args=())
+def scalar(x: torch.Tensor) -> torch.Tensor:
+    """`x`, a 0-d value, as a buffer of its own: opaque to inductor, which computes it before the loop that reads it.
+    Inductor otherwise inlines a 0-d computation into every loop over a param that uses it, where it is redone for
+    each vector of elements: a chain's per-step scalar math (`mom ** step`, NAdam's momentum schedule: `pow`s and
+    divisions in double) made its compiled step several times slower than the memory traffic (README, catalogue)."""
+    return x.clone()
+
+
+@scalar.register_fake
+def _(x: torch.Tensor) -> torch.Tensor: return torch.empty_like(x)
+
+
 class ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
     """Inside the compiled chain, turn `alpha=`/`value=`/`weight=`/clamp numbers into tensor ops: torch.compile keeps
     a Python number symbolic (no recompile when lr or step change) only where it meets a tensor, and would otherwise
-    bake it into the graph and recompile at every new value."""
+    bake it into the graph and recompile at every new value. With `scalars_once` (the compiled chain's; not where a
+    chain runs under autograd or vmap, which `scalar` does not support), the float numbers and 0-d tensors that
+    arithmetic on a param-sized tensor reads go through `scalar` first: computed once per step, not per element."""
+    ARITH = {torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.div, torch.Tensor.div_, torch.Tensor.add, torch.Tensor.add_,
+             torch.Tensor.sub, torch.Tensor.sub_, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__,
+             torch.Tensor.__rtruediv__, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__,
+             torch.Tensor.__rsub__, torch.mul, torch.div, torch.add, torch.sub}
     ALPHA = {torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_, torch.add, torch.sub}
     VALUE = {torch.Tensor.addcmul, torch.Tensor.addcmul_, torch.Tensor.addcdiv, torch.Tensor.addcdiv_, torch.addcmul,
              torch.addcdiv}
@@ -38,8 +57,16 @@ class ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
     CLAMP = {torch.Tensor.clamp, torch.Tensor.clip, torch.clamp, torch.clip}
     CLAMP_ = {torch.Tensor.clamp_, torch.Tensor.clip_}
 
+    def __init__(self, scalars_once: bool = False):
+        super().__init__()
+        self.scalars_once = scalars_once
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if self.scalars_once and any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):  # (over elements)
+            if func in self.ARITH: args = tuple(_once(a) for a in args)
+            if func in self.ALPHA or func in self.VALUE:
+                kwargs.update({k: _once(kwargs[k]) for k in ('alpha', 'value') if k in kwargs})
         if func in self.CLAMP or func in self.CLAMP_:  # as maximum/minimum with tensors (seen miscompiled otherwise)
             x, bounds = args[0], [*args[1:], None, None]
             lo, hi = kwargs.get('min', bounds[0]), kwargs.get('max', bounds[1])
@@ -55,6 +82,14 @@ class ScalarArgsAsTensors(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _once(v):
+    """A float or a 0-d tensor through `scalar` (a float as a float64 tensor, Python's precision, made by adding it to
+    one: a symbolic float meeting a tensor stays symbolic, where `torch.scalar_tensor` of it would recompile every
+    step); anything else as it is."""
+    if isinstance(v, float): return scalar(torch.zeros((), dtype=torch.float64) + v)
+    return scalar(v) if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+
+
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
 
 
@@ -63,7 +98,7 @@ def _fused_chain_fn(cbs, name: str) -> Callable:
     transient = transient_keys(cbs)
     def fused_chain(params, tstates, pystate, hyper):
         new_t, new_py = [], None
-        with ScalarArgsAsTensors():
+        with ScalarArgsAsTensors(scalars_once=True):
             for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
                 st = {**pystate, **ts}
                 run_chain(cbs, p, st, hyper)
