@@ -211,6 +211,9 @@ def test_schedule_free_compiles_without_recompiles(name):
     as the loop (within float-op reordering: 1e-6 of each tensor's scale)."""
     from torch._dynamo.utils import counters
     backend = cbopt.Backend('fused', compiler='aot_eager')
+    # from a fresh dynamo: a graph of the same chain compiled by an earlier test in this process (under another
+    # torch.set_num_threads, a guard of dynamo's global state) would count as this test's recompile
+    torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         fused, opt = cbopt_run(name, backend, steps=15)  # (warnings are errors: a compile failure warns)
