@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import hashlib
 import json
 import re
 import os
@@ -138,7 +139,7 @@ def pytest_runtest_makereport(item, call):
 
 def sync(work: Path, fresh: bool) -> None:
     """Copy the repo's files into `work`. mutmut keeps the previous run's results in `work/mutants` and reruns
-    only the functions whose source changed, so a rerun after adding tests costs only those."""
+    only the functions whose source changed (and, with `--survivors`, the last survivors)."""
     if fresh and work.exists(): shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     for name in COPY:
@@ -163,6 +164,28 @@ def sync(work: Path, fresh: bool) -> None:
                 + STATS_HOOK)
     # the tests changed: mutmut's copy of them in mutants/ must follow (it copies `tests/` only when absent)
     if (work / 'mutants' / 'tests').exists(): shutil.rmtree(work / 'mutants' / 'tests')
+    # mutmut picks each mutant's tests from its map of which test reaches which function, and on a rerun it maps
+    # only the tests it has not seen: a test extended since (more calls, more asserts) keeps its old reach, so the
+    # mutants it now kills would never meet it and stay survivors. Tests or library changed: map every test again
+    # (a scratch copy from before this check has no digest: its map is of unknown tests)
+    stats, mapped, digest = work / 'mutants' / 'mutmut-stats.json', work / 'mapped.sha256', _digest(work, MAPPED)
+    if stats.exists() and (not mapped.exists() or mapped.read_text() != digest):
+        print('tests or library changed since the last run: mapping every test to the functions it reaches again',
+              flush=True)
+        stats.unlink()
+    mapped.write_text(digest)
+
+
+MAPPED = ('tests', 'cbopt')  # what decides which test reaches which mutated function
+
+
+def _digest(work: Path, dirs: tuple[str, ...]) -> str:
+    "One hash of the files under `work/<dirs>` (names and contents)."
+    h = hashlib.sha256()
+    for d in dirs:
+        for f in sorted((work / d).rglob('*.py')):
+            h.update(str(f.relative_to(work)).encode() + b'\0' + f.read_bytes())
+    return h.hexdigest()
 
 
 def results(work: Path) -> dict[str, int | None]:
