@@ -19,6 +19,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope='module')
+def one_rank_mesh():
+    "A gloo process group of this process alone and its 1-D mesh: DTensors without spawning ranks."
+    dist = pytest.importorskip('torch.distributed')
+    if not dist.is_available() or dist.is_initialized(): pytest.skip('needs torch.distributed, not yet initialised')
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    try: yield init_device_mesh('cpu', (1,))
+    finally: dist.destroy_process_group()
+
+
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A tiny MLP (6-8-3; FQNs `0.weight`, `0.bias`, `2.weight`, `2.bias`), the same for the same `seed` whatever
     the global RNG (tanh is smooth: tiny differences stay tiny)."""

@@ -297,17 +297,6 @@ def test_a_float64_grad_of_a_float32_param_is_stepped(backend) -> None:
 
 
 # -- params sharded as DTensors, on one rank --------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def one_rank_mesh():
-    "A gloo process group of this process alone and its 1-D mesh: DTensors without spawning ranks."
-    dist = pytest.importorskip('torch.distributed')
-    if not dist.is_available() or dist.is_initialized(): pytest.skip('needs torch.distributed, not yet initialised')
-    from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
-    try: yield init_device_mesh('cpu', (1,))
-    finally: dist.destroy_process_group()
-
-
 def _sharded(mesh, t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import Shard, distribute_tensor
     return distribute_tensor(t, mesh, [Shard(0)])

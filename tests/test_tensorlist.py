@@ -318,6 +318,20 @@ def test_copy_(kind: str, dtype: torch.dtype) -> None:
     run(x, lambda tl: tl.copy_(src), [t.clone().copy_(at(i)) for i, t in enumerate(x)], inplace=True)
 
 
+def test_copy_into_dtensors(one_rank_mesh) -> None:
+    """A bucket of DTensors (sharded params) copies per tensor: torch has no sharding rule for `_foreach_copy_`.
+    From a bucket of DTensors and from one DTensor every param sees."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    shard = lambda t: distribute_tensor(t, one_rank_mesh, [Shard(0)])
+    plain = make(shapes=[(3,), (2, 3)])
+    for src, at in ((TensorList(shard(t) for t in make(seed=1, shapes=[(3,), (2, 3)])), lambda s, i: s[i]),
+                    (shard(torch.tensor([1.5, -2., 3.])), lambda s, i: s)):
+        x = TensorList(shard(t.clone()) for t in plain)
+        ts = list(x)
+        assert x.copy_(src) is x and all(a is b for a, b in zip(x, ts))
+        check([t.full_tensor() for t in x], [t.clone().copy_(at(src, i).full_tensor()) for i, t in enumerate(plain)])
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_zero_(dtype: torch.dtype) -> None:
     x = make(dtype)
@@ -508,6 +522,23 @@ def test_torch_functions(name: str, dtype: torch.dtype) -> None:
     f_tl, f_t = FUNCS[name]
     x, y = make(dtype, 0), make(dtype, 1)
     run(x, lambda tl: f_tl(tl, y), [f_t(a, b) for a, b in zip(x, y)], inplace=False)
+
+
+@pytest.mark.parametrize('name, args', [('sqrt_', ()), ('exp_', ()), ('clamp_', (0.6, 1.5))], ids=['sqrt_', 'exp_', 'clamp_'])
+def test_inplace_torch_functions_return_the_bucket(name: str, args: tuple) -> None:
+    """`torch.sqrt_(tl)` is the bucket's own in-place method (one foreach kernel): it returns the bucket itself, its
+    tensors changed, as `torch.sqrt_(t)` returns `t`."""
+    x = make(positive=True)
+    run(x, lambda tl: getattr(torch, name)(tl, *args), [getattr(torch, name)(t.clone(), *args) for t in x],
+        inplace=True)
+
+
+def test_a_torch_function_without_a_name_runs_per_param() -> None:
+    """What reaches `__torch_function__` need not have a `__name__` (any callable given to
+    `torch.overrides.handle_torch_function`, such as a partial): it runs once per tensor."""
+    x, fn = make(), functools.partial(torch.add, alpha=2)
+    run(x, lambda tl: torch.overrides.handle_torch_function(fn, (tl,), tl, 1.5), [fn(t, 1.5) for t in x],
+        inplace=False)
 
 
 def test_torch_function_with_tuple_results() -> None:
