@@ -141,8 +141,10 @@ class TensorList(list):
     def _binary(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
         "`self <op> alpha*other`, in place or not, with `other` a scalar, a tensor or a TensorList."
         if isinstance(other, TensorList): _same_length(len(self), [other])
-        elif isinstance(other, torch.Tensor):  # one tensor for all: foreach takes a lone one if 0-d, in add/mul/div
-            if other.dim() or name not in ('add', 'mul', 'div'): other = TensorList([other] * len(self))
+        elif isinstance(other, torch.Tensor):  # one tensor for all: foreach takes a lone one if 0-d, in mul/div (its
+            # add does too, but without torch's type promotion: a 0-d float32 param plus a 0-d float64 tensor would stay
+            # float32, where torch.add gives float64)
+            if other.dim() or name not in ('mul', 'div'): other = TensorList([other] * len(self))
         elif not isinstance(other, Number): return NotImplemented
         fn = _fe(name + '_' * inplace)
         scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)

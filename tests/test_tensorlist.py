@@ -107,6 +107,19 @@ def test_add_sub_alpha(name: str, kind: str, alpha, inplace: bool, dtype: torch.
         [getattr(t.clone(), op)(at(i), alpha=alpha) for i, t in enumerate(x)], inplace)
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('inplace', [False, True])
+@pytest.mark.parametrize('name, kw', [('add', {}), ('add', {'alpha': 0.3}), ('sub', {}), ('sub', {'alpha': 0.3}),
+                                      ('mul', {}), ('div', {})], ids=['add', 'add-alpha', 'sub', 'sub-alpha', 'mul', 'div'])
+def test_binary_with_a_0d_tensor_of_another_dtype(name: str, kw: dict, inplace: bool, dtype: torch.dtype) -> None:
+    """A 0-d tensor operand of a wider dtype (a float64 hyper) promotes as in torch: the 0-d param's result is
+    float64 (a 0-d tensor and a 0-d tensor), the others keep the bucket's dtype; in place, the 0-d param's result
+    is computed in float64 and rounded once to its dtype. (foreach's add takes a lone 0-d tensor without promoting.)"""
+    x, o = make(dtype, 0, positive=name == 'div'), torch.tensor(0.37, dtype=torch.float64)
+    op = name + '_' * inplace
+    run(x, lambda tl: getattr(tl, op)(o, **kw), [getattr(t.clone(), op)(o, **kw) for t in x], inplace)
+
+
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_mul_by_a_number_in_half_precision(dtype: torch.dtype) -> None:
     "torch's in-place foreach mul rounds a number to 16 bits first; `Tensor.mul_` does not, nor may the bucket."
