@@ -116,12 +116,7 @@ def _split_groups(params: Any) -> list[dict]:
     # fastai splitter style: a list whose entries are collections of params (lists, name->param dicts,
     # named_parameters() generators) gives one group per entry; a (name, tensor) pair is a param, not a group
     if not any(_is_param_like(o) for o in items):
-        groups = []
-        for i, o in enumerate(items):
-            o = _check_form(o, f' at position {i}')
-            listable = isinstance(o, Iterable) and not isinstance(o, (Mapping, str, bytes))  # others: _flatten names them
-            groups.append({'params': list(o) if listable else o})
-        return groups
+        return [{'params': _check_form(o, f' at position {i}')} for i, o in enumerate(items)]  # _flatten reads each once
     return [{'params': items}]
 
 

@@ -237,3 +237,61 @@ def test_list_of_named_dicts_is_a_list_of_groups():
     assert [h['lr'] for h in opt.hypers] == pytest.approx([1e-3, 1e-1])
     gens = Optimizer([enc.named_parameters(), head.named_parameters()], CBS, lr=slice(1e-3, 1e-1))
     assert [len(g['params']) for g in gens.param_groups] == [4, 2]
+
+
+# -- every refusal of a params form, in its words (issue #14: mutation testing of `cbopt/params.py`) -----------------
+W, V = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
+PAIR = "not a Tensor or a (name, Tensor) pair"
+BAD_FORMS = {  # params -> (error, the whole message)
+    'group dict nested under a name': ({'enc': {'params': [W]}},
+                                       (TypeError, "a param group dict cannot be nested inside params at 'enc'")),
+    'int key': ({1: W}, (TypeError, "param names must be non-empty strings, got 1 (int)")),
+    'int key under a name': ({'enc': {1: W}}, (TypeError, "param names must be non-empty strings, got 1 (int) at 'enc'")),
+    'number under a name': ({'enc': 3}, (TypeError, "params at 'enc' is an int, not a Tensor, a dict or an iterable of "
+                                                    "them")),
+    'str under a hyper name': ({'lr': 'x'}, (TypeError, "params at 'lr' is a str, not a Tensor, a dict or an iterable "
+                                                        "of them")),
+    'hyper of a nested group dict without params': (
+        {'body': {'lr': 0.1}}, (TypeError, "params at 'body.lr' is a float, not a Tensor, a dict or an iterable of them "
+                                           "(is 'lr' a hyper of a group dict that has no 'params' entry?)")),
+    'group dict whose params is a number': ([{'params': 3}], (TypeError, "params is an int, not a Tensor, a dict or an "
+                                                                         "iterable of them")),
+    'empty name in a pair': ([('', W)], (TypeError, "param names must be non-empty strings, got '' at position 0")),
+    'empty name in a pair under a name': ({'enc': [('', W)]}, (TypeError, "param names must be non-empty strings, got "
+                                                                          "'' at position 0 at 'enc'")),
+    'int-named pair under a name': ({'enc': [(1, W)]}, (TypeError, "params at 'enc' holds a (name, Tensor) pair at "
+                                                                   "position 0 whose name is an int (1): param names "
+                                                                   "are strings")),
+    'int in a list under a name': ({'enc': [W, 3]}, (TypeError, f"params at 'enc' holds an int at position 1, {PAIR}")),
+    'set in a list': ([W, {V}], (TypeError, "params is a set: " + cbopt.params.SET_MSG)),
+    'empty list': ([], (ValueError, "optimizer got an empty parameter list (a generator such as model.parameters() "
+                                    "gives its params only once: was it used before?)")),
+    'group dicts mixed with tensors': ([{'params': [W]}, V], (TypeError, "params mixes group dicts with other entries: "
+                                                                         "give either all group dicts or none")),
+    'mom and momentum differing in the second group': (
+        [{'params': [W]}, {'params': [V], 'mom': 0.9, 'momentum': 0.8}],
+        (ValueError, "param group 1 gives both 'mom' (0.9) and its torch name 'momentum' (0.8): give one")),
+}
+
+
+@pytest.mark.parametrize('form', BAD_FORMS)
+def test_bad_forms_are_refused_in_these_words(form: str) -> None:
+    "Each refusal of `named_groups` names the culprit, where it is (the dotted name, the position, the group), whole."
+    params, (err, msg) = BAD_FORMS[form]
+    with pytest.raises(err) as e: cbopt.params.named_groups(params)
+    assert str(e.value) == msg
+
+
+def test_dicts_in_a_list_are_flattened_in_place() -> None:
+    "A name -> param dict among a list's tensors names its params under the list's own name, in order."
+    a, b, c = (torch.zeros(i + 1, requires_grad=True) for i in range(3))
+    (g,) = cbopt.params.named_groups({'enc': [a, {'w': b}, c]})
+    assert g['param_names'] == ['enc.0', 'enc.w', 'enc.2'] and all(x is y for x, y in zip(g['params'], [a, b, c]))
+    (g,) = cbopt.params.named_groups([a, {'w': b}])
+    assert g['param_names'] == ['0', 'w'] and g['params'][1] is b
+
+
+def test_a_lone_group_dict_is_one_group() -> None:
+    "A group dict on its own (not in a list) is one group with its hypers, as if in a list."
+    (g,) = cbopt.params.named_groups({'params': [W, V], 'lr': 0.1})
+    assert g['lr'] == 0.1 and g['param_names'] == ['0', '1'] and g['params'][0] is W and g['params'][1] is V
