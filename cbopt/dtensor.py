@@ -28,8 +28,12 @@ def _dtensor_module():
     return sys.modules.get('torch.distributed.tensor')
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_dtensor(t) -> bool:
     "Whether `t` is a DTensor (a param sharded by FSDP2, its grad or its state)."
+    if type(t) in _PLAIN: return False  # (the common case, asked per param and step: no module lookup)
     mod = _dtensor_module()
     return mod is not None and isinstance(t, mod.DTensor)
 

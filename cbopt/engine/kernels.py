@@ -99,6 +99,20 @@ def _divisor(p0: torch.Tensor, grad_scale: torch.Tensor | None, loss_scale: torc
     return divisor
 
 
+def _laid_out_alike(b: Bucket, buffers: tuple[str, ...]) -> bool:
+    """Whether every grad and state buffer of `b` has its param's dtype and strides: a kernel walks them all in the
+    param's memory order, so a transposed param with a contiguous grad (or channels_last) would silently pair the
+    wrong elements. One pass, each param's attributes read once: it runs every step, around the kernel."""
+    dtype = b.params[0].dtype
+    for p, st in zip(b.params, b.states):
+        stride, g = p.stride(), p.grad
+        if g.dtype != dtype or g.stride() != stride: return False
+        for k in buffers:
+            t = st[k]
+            if t.dtype != dtype or t.stride() != stride: return False
+    return True
+
+
 def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tuple[str, ...],
                 call: Callable[..., None], on_dtensors: bool = False, grad_scale: torch.Tensor | None = None,
                 loss_scale: torch.Tensor | None = None, scale_in_place: bool = False) -> Callable[[], None] | None:
@@ -113,12 +127,7 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
     if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
-    if any(s[k].dtype != p0.dtype for s in b.states for k in buffers): return None
-    if any(p.grad.dtype != p0.dtype for p in b.params): return None
-    # a kernel walks grads and state in the param's memory order: all strides must match (a transposed param with a
-    # contiguous grad, channels_last) or it silently pairs the wrong elements
-    if any(p.grad.stride() != p.stride() or any(s[k].stride() != p.stride() for k in buffers)
-           for p, s in zip(b.params, b.states)): return None
+    if not _laid_out_alike(b, buffers): return None
     copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
     if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)
