@@ -166,7 +166,7 @@ def ema_b(p, grad_avg=None, **kw):
     return {'grad_avg': grad_avg}
 
 
-def test_two_declared_callbacks_creating_one_entry_is_refused_at_construction():
+def test_two_declared_callbacks_creating_one_entry_is_rejected_at_construction():
     def avg2(p, **kw): pass
     avg2.state = dict(grad_avg=chain.zeros)
     with pytest.raises(ValueError, match=r"callbacks 'average_grad' and 'avg2' both create the state entry 'grad_avg'"):

@@ -271,7 +271,7 @@ def _opt_with_state(backend: str, clip: bool):
     (lambda b: setattr(b.grad, 'data', torch.ones(3, dtype=torch.complex64)), TypeError,
      r"^param 'b' has dtype torch\.float32 but its grad has dtype torch\.complex64$"),
 ], ids=['sparse', 'shape', 'int', 'complex'])
-def test_a_grad_no_chain_can_step_is_refused_and_nothing_changes(backend, clip, bad, err, msg) -> None:
+def test_a_grad_no_chain_can_step_is_rejected_and_nothing_changes(backend, clip, bad, err, msg) -> None:
     a, b, opt = _opt_with_state(backend, clip)
     a.grad = torch.ones(2)
     bad(b)
@@ -407,7 +407,7 @@ _step_by_grad_norm.defaults, _step_by_grad_norm.state, _step_by_grad_norm.scope 
 
 @pytest.mark.filterwarnings('ignore:callback .* cannot run on a whole bucket')  # (foreach: it runs param by param)
 @pytest.mark.parametrize('backend', ['loop', 'foreach'])
-def test_a_python_number_of_a_partial_dtensor_is_refused(one_rank_mesh, backend) -> None:
+def test_a_python_number_of_a_partial_dtensor_is_rejected(one_rank_mesh, backend) -> None:
     "On DTensors, a chain that is not elementwise may not read a number of a reduction over a shard; nothing changes."
     from cbopt.dtensor import PartialNumberError
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))

@@ -111,7 +111,7 @@ def test_strict_load_of_model_state():
     assert opt.param_groups[0]['skip_nonfinite.skipped_total'] == 7
 
 
-def test_undeclared_return_is_refused():
+def test_undeclared_return_is_rejected():
     def bad_cb(params, **kwargs): return {'norm': 1.0}
     bad_cb.scope = 'model'
     m = model()

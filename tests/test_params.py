@@ -275,7 +275,7 @@ BAD_FORMS = {  # params -> (error, the whole message)
 
 
 @pytest.mark.parametrize('form', BAD_FORMS)
-def test_bad_forms_are_refused_in_these_words(form: str) -> None:
+def test_bad_forms_raise_these_words(form: str) -> None:
     "Each refusal of `named_groups` names the culprit, where it is (the dotted name, the position, the group), whole."
     params, (err, msg) = BAD_FORMS[form]
     with pytest.raises(err) as e: cbopt.params.named_groups(params)

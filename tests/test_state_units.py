@@ -146,7 +146,7 @@ def test_a_regrouped_checkpoint_gives_each_group_the_hypers_of_its_params_groups
                    for n, p in src.named_params().items())
 
 
-def test_another_chain_is_refused_per_group() -> None:
+def test_another_chain_is_rejected_per_group() -> None:
     opt = adam(groups=True)
     sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).named_state_dict()
     sd['param_groups'] = [{**sd['param_groups'][0], 'params': ['0.weight', '0.bias']},
@@ -180,7 +180,7 @@ def test_state_value_errors() -> None:
         refused(opt, bad, exc, message)
 
 
-def test_a_transposed_state_of_as_many_elements_is_refused() -> None:
+def test_a_transposed_state_of_as_many_elements_is_rejected() -> None:
     opt = adam()
     sd = opt.named_state_dict()
     sd['state']['0.weight']['grad_avg'] = sd['state']['0.weight']['grad_avg'].t().contiguous()

@@ -188,6 +188,18 @@ def _digest(work: Path, dirs: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
+def check_selection(tests: list[str], pytest_args: list[str]) -> None:
+    """pytest's `-k 'not fused'` matches any part of a name: `test_..._is_refused` would be left out of the module's
+    tests without a word. Stop before running if a test function's name holds a left-out word inside another word
+    (parametrized ids are not read here)."""
+    if '-k' not in pytest_args: return
+    words = re.findall(r'not (\w+)', pytest_args[pytest_args.index('-k') + 1])
+    bad = [f'{t}::{name} ({w!r})' for t in tests for name in re.findall(r'^def (test_\w+)', (ROOT / t).read_text(), re.M)
+           for w in words if w in name and f'_{w}_' not in f'_{name}_']
+    if bad: raise SystemExit("these tests' names hold a word that -k leaves out, inside another word, so they would "
+                             "not run: rename them\n  " + '\n  '.join(bad))
+
+
 def results(work: Path) -> dict[str, int | None]:
     "Every mutant's exit code, from mutmut's `.meta` files."
     codes: dict[str, int | None] = {}
@@ -211,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--work', type=Path, help='scratch directory (default /tmp/cbopt-mutation/<module>)')
     ap.add_argument('--fresh', action='store_true', help='forget the previous run of this module')
     ap.add_argument('--survivors', action='store_true',
-                    help="rerun only the last run's survivors (after adding tests: mutmut keeps other results)")
+                    help="rerun only the last run's survivors and untested mutants (after adding tests: mutmut keeps "
+                         "other results)")
     ap.add_argument('--only', nargs='+', metavar='PATTERN', default=[],
                     help="run only the mutants matching these fnmatch patterns (mutmut's names, e.g. "
                          "'cbopt.engine.auto.*', or 'cbopt.engine.x*' for engine/__init__.py): whole files or functions")
@@ -224,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1', 'PYTHONDONTWRITEBYTECODE': '1'}
     mutmut = [sys.executable, '-c', 'import sys; from mutmut.__main__ import cli; sys.exit(cli())']
     if not args.report_only:
+        check_selection(tests, PYTEST_ARGS.get(args.module, []))
         sync(work, args.fresh)
         write_config(work, sources, tests, NOT_MUTATED.get(args.module, []), PYTEST_ARGS.get(args.module, []))
         rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
         print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
               flush=True)
-        names = [k for k, c in results(work).items() if status(c) == 'survived'] if args.survivors else []
+        # (a 'no tests' mutant may have tests now that every test is mapped again)
+        names = [k for k, c in results(work).items() if status(c) in ('survived', 'no tests')] if args.survivors else []
         # (mutmut reruns every mutant it is given by name, checked or not: give it only the unchecked ones)
         names += [k for k, c in results(work).items() if c is None and any(fnmatch(k, pat) for pat in args.only)]
         if args.only and not names:
