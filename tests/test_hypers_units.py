@@ -108,3 +108,75 @@ def test_setdefault_sees_the_alias() -> None:
     assert g.setdefault('momentum', 0.1) == 0.9 and g['mom'] == 0.9
     g2 = ParamGroup(lr=0.1)
     assert g2.setdefault('momentum', 0.3) == 0.3 and g2['mom'] == 0.3
+
+
+# -- check_hyper's refusals, whole (issue #14: mutation testing of `cbopt/hypers.py`) -------------------------------
+REFUSALS = [  # (name, value, group index) -> (error, the whole message)
+    ((3, 0.1, None), (TypeError, "hyper names are strings, got 3 (int)")),
+    (('params', [], None), (KeyError, "'params' is not a hyper")),
+    (('skip.total', 1, None), (KeyError, "'skip.total' is not a hyper")),  # a whole-model callback's state entry
+    (('nesterov', 'yes', None), (TypeError, "hyper 'nesterov' is a flag: True or False, got 'yes' (str)")),
+    (('lr', torch.tensor(True), None), (TypeError, "hyper 'lr' got a tensor of dtype torch.bool: expected a real number")),
+    (('lr', torch.tensor(1 + 0j), None), (TypeError, "hyper 'lr' got a tensor of dtype torch.complex64: expected a real "
+                                                     "number")),
+    (('k', torch.tensor(2.), None), (TypeError, "hyper 'k' got a tensor of dtype torch.float32: expected a real number")),
+    (('lr', 'x', None), (TypeError, "hyper 'lr' got a str ('x'): expected a number (or a 1-element tensor)")),
+    (('k', 2.5, 1), (TypeError, "hyper 'k' (group 1) got a float (2.5): expected an int")),
+    (('lr', -1., None), (ValueError, "Invalid learning rate: -1.0 (expected lr >= 0, finite)")),
+    (('wd', -1., 2), (ValueError, "Invalid weight_decay value: -1.0 (group 2) (expected wd >= 0, finite; wd is torch's "
+                                  "weight_decay)")),
+]
+
+
+@pytest.mark.parametrize('case, expected', REFUSALS, ids=[f'{c[0]}-{type(c[1]).__name__}' for c, _ in REFUSALS])
+def test_check_hyper_refusals_in_these_words(case, expected) -> None:
+    "Each refusal names the hyper, the group when given, what it got and what it takes; a range's note only if any."
+    err, msg = expected
+    with pytest.raises(err) as e: cbopt.hypers.check_hyper(*case)
+    assert e.value.args == (msg,)
+
+
+def test_hypers_view_refuses_what_is_not_a_hyper() -> None:
+    """fastai's view neither reads nor writes the group's params, names, torch aliases or whole-model entries: a
+    KeyError of the key (as a dict's), or saying it is not a hyper, and the group unchanged."""
+    g = group(**{'skip_nonfinite.skipped_total': 3})
+    h, before = cbopt.hypers.Hypers(g), dict(g)
+    for k in ('params', 'momentum', 'skip_nonfinite.skipped_total'):
+        with pytest.raises(KeyError) as e: h[k]
+        assert e.value.args == (k,)
+    for k in ('param_names', 'skip_nonfinite.skipped_total'):
+        with pytest.raises(KeyError) as e: h[k] = 1
+        assert e.value.args == (f"{k!r} is not a hyper",)
+    assert dict(g) == before
+    assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 3}
+
+
+def test_snapshot_gives_a_tensor_hyper_as_a_0d_view_of_itself() -> None:
+    "A tensor lr of shape [1] or [1, 1] reaches the callbacks 0-d, the same storage (in-place changes reach the step)."
+    for shape in ((1,), (1, 1), ()):
+        lr = torch.full(shape, 0.1)
+        g = group()
+        g['lr'] = lr
+        s = cbopt.hypers.Hypers(g).snapshot()
+        assert s['lr'].shape == () and s['lr'].data_ptr() == lr.data_ptr()
+        lr.fill_(0.2)
+        assert s['lr'].item() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
+def test_a_one_element_tensor_hyper_is_one_value_for_every_group(shape) -> None:
+    "A 1-element tensor of any shape is one value, the same tensor for each group; a tensor of n values is one each."
+    lr = torch.full(shape, 0.1)
+    assert all(v is lr for v in expand_hyper('lr', lr, 3))
+    per_group = expand_hyper('lr', torch.tensor([0.1, 0.2]), 2)
+    assert [v.shape for v in per_group] == [(), ()] and [v.item() for v in per_group] == pytest.approx([0.1, 0.2])
+
+
+def test_param_names_of_another_length_are_not_written() -> None:
+    """ZeroRedundancyOptimizer copies rank 0's group entries into every rank's groups, `param_names` too: names of
+    another rank's params (another count) are skipped; names of as many params are written."""
+    g = ParamGroup(params=[torch.zeros(1), torch.zeros(1)], param_names=['a', 'b'], lr=0.1)
+    g['param_names'] = ['x']
+    assert g['param_names'] == ['a', 'b']
+    g.update(param_names=['c', 'd'])
+    assert g['param_names'] == ['c', 'd']
