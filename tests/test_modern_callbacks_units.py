@@ -128,3 +128,95 @@ def test_stable_decay_and_step() -> None:
     stable_adamw_step(p, stable_lr=0.05, eps=0.01, grad_avg=T(0.3), sqr_avg=T(0.04))
     close(p, 1. - 0.05 * 0.3 / (0.2 + 0.01))
     close(p.grad, 5.)
+
+
+# -- schedule-free -------------------------------------------------------------------------------------------------
+from cbopt.modern_callbacks import adam_normalize_grad, schedule_free_step, schedule_free_weight
+
+
+def test_schedule_free_weight_warms_up_and_weights_by_lr_max() -> None:
+    """lr' = lr * min(step / warmup_steps, 1); lr_max = max(lr_max, lr'); the new point's weight in the average is
+    ckp1 = step**r * lr_max**weight_lr_power / (the running sum of those weights): schedulefree's formulas."""
+    p = P(1., 2.)
+    out = schedule_free_weight(p, lr=0.1, step=2, warmup_steps=4, r=0.5, weight_lr_power=2., weight_sum=T(0.01),
+                               lr_max=T(0.08))
+    weight = 0.08 ** 2 * 2 ** 0.5           # lr' = 0.05 < lr_max: lr_max stays
+    assert math.isclose(float(out['sf_lr']), 0.05, rel_tol=1e-12)
+    close(out['lr_max'], 0.08)
+    close(out['weight_sum'], 0.01 + weight)
+    close(out['ckp1'], weight / (0.01 + weight))
+    out = schedule_free_weight(p, lr=0.1, step=5, warmup_steps=4, r=0., weight_lr_power=2., weight_sum=T(0.01),
+                               lr_max=T(0.08))
+    assert math.isclose(float(out['sf_lr']), 0.1, rel_tol=1e-12)  # past the warmup: the lr itself, now the max
+    close(out['lr_max'], 0.1)
+    close(out['ckp1'], 0.01 / 0.02)
+    close(p, 1.)
+
+
+def test_schedule_free_weight_first_step_and_zero_lr() -> None:
+    "The first point is the whole average (ckp1 = 1); while the lr is 0 the weights are 0, and so is ckp1 (no 0/0)."
+    out = schedule_free_weight(P(1., 2.), lr=0.1, step=1, warmup_steps=0, r=0., weight_lr_power=2.)
+    close(out['weight_sum'], 0.01), close(out['lr_max'], 0.1), close(out['ckp1'], 1.)
+    out = schedule_free_weight(P(1., 2.), lr=0., step=1, warmup_steps=0, r=0., weight_lr_power=2.)
+    close(out['weight_sum'], 0.), close(out['ckp1'], 0.)
+    assert schedule_free_weight.defaults == dict(warmup_steps=0, r=0., weight_lr_power=2.)  # schedulefree's
+
+
+def test_adam_normalize_grad_rebinds_the_grad() -> None:
+    "The rest of the chain sees g / (sqrt(v / (1 - beta2**step)) + eps); the user's grad tensor is not written."
+    p = P(1., 2.)
+    g = p.grad
+    adam_normalize_grad(p, sqr_mom=0.5, eps=0.25, step=2, sqr_avg=T(3.))   # v / (1 - 0.25) = 4
+    close(p.grad, 2. / (2. + 0.25))
+    assert p.grad is not g and torch.equal(g, T(2.))
+    close(p, 1.)
+
+
+def test_schedule_free_step_moves_y_and_z() -> None:
+    """y = lerp(y, z, ckp1) + g * lr * (beta1 * (1 - ckp1) - 1); z -= lr * g. `opt.eval()` moves y to the average
+    x = lerp(y, z, 1 - 1/beta1) and `opt.train()` back with lerp(x, z, 1 - beta1)."""
+    p = P(1., 2.)
+    out = schedule_free_step(p, sf_lr=0.1, ckp1=torch.tensor(0.25, dtype=torch.float64), mom=0.9, z=T(3.))  # (0-d, as
+    # schedule_free_weight gives it)
+    close(p, 1.5 + 2. * 0.1 * (0.9 * 0.75 - 1.))
+    close(out['z'], 3. - 0.1 * 2.)
+    p = P(1., 2.)
+    out = schedule_free_step(p, sf_lr=0.1, ckp1=torch.tensor(1., dtype=torch.float64), mom=0.9)  # first step: z starts at the param
+    close(p, 1. + 2. * 0.1 * (0. - 1.)), close(out['z'], 1. - 0.2)
+    assert torch.equal(p.grad, T(2.))
+    y, z = P(1.5), T(3.)
+    schedule_free_step.on_eval(y, mom=0.9, z=z)
+    close(y, 1.5 + (1. - 1. / 0.9) * (3. - 1.5))
+    schedule_free_step.on_train(y, mom=0.9, z=z)
+    close(y, 1.5)
+
+
+# -- Kahan summation -----------------------------------------------------------------------------------------------
+def test_kahan_keeps_what_bfloat16_rounds_away() -> None:
+    """comp += update; old = p; p += comp; comp += old - p (torch-optimi's kahan_sum). 1e-3 steps on a bfloat16 1.0
+    (whose spacing below 1 is 2**-8): plain SGD never moves it; with Kahan, p + comp follows the exact sum, and p
+    is within half a spacing of it."""
+    import pytest
+    from cbopt.callbacks import sgd_step
+    from cbopt.kahan import kahan, kahan_chain
+    step = kahan(sgd_step)
+    p = torch.ones(1, dtype=torch.bfloat16)
+    p.grad = torch.ones(1, dtype=torch.bfloat16)
+    plain = p.clone()
+    plain.grad = p.grad
+    comp = None
+    for n in range(1, 41):
+        comp = step(p, lr=1e-3, kahan_comp=comp)['kahan_comp']
+        sgd_step(plain, lr=1e-3)
+        exact = 1. - n * 1e-3
+        assert abs(p.double().item() + comp.double().item() - exact) < n * 1e-5   # comp's own bf16 rounding
+        assert abs(p.double().item() - exact) <= 2 ** -9 + 1e-6
+        assert comp.dtype == torch.bfloat16
+    assert plain.item() == 1. and p.item() < 0.97
+    assert step.state['kahan_comp'] is not None and step.__name__ == 'kahan_sgd_step'
+    with pytest.raises(ValueError, match='lion_avg'):
+        kahan(lion_avg)                       # not `additive`: its update reads the param's state, not p += update
+    assert kahan_chain([lion_avg, sgd_step], kahan_sum=False) == [lion_avg, sgd_step]
+    assert kahan_chain([lion_avg, sgd_step]) == [lion_avg, step]
+    with pytest.raises(ValueError, match='additive'):
+        kahan_chain([lion_avg])

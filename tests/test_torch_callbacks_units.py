@@ -259,3 +259,109 @@ def test_amsgrad_max_and_adam_step_with_it() -> None:
     adam_step(p, lr=0.1, mom=0.9, step=1, sqr_mom=0.99, grad_avg=T(0.2), sqr_avg=T(0.01), eps=0.01, max_sqr_avg=T(0.04))
     close(p, 1. - 0.1 / 0.1 * 0.2 / (math.sqrt(0.04 / 0.01) + 0.01))
     grad_untouched(p, 2.)
+
+
+# -- Muon ------------------------------------------------------------------------------------------------------------
+from cbopt.torch_callbacks import (centered_grad_avg, muon_momentum, muon_step, newton_schulz, torch_rmsprop_momentum_step,
+                                   torch_rmsprop_step)
+
+NS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's default ns_coefficients
+
+
+def ns_singular_value(steps: int, a: float = NS[0], b: float = NS[1], c: float = NS[2]) -> float:
+    """Where Newton-Schulz takes a singular value of 1 (a normalized rank-1 matrix has just that one) in `steps`
+    quintic iterations: s <- a*s + b*s**3 + c*s**5 (torch's `_zeropower_via_newtonschulz`, in exact arithmetic)."""
+    s = 1.
+    for _ in range(steps): s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+def test_muon_momentum_lerps_and_looks_ahead() -> None:
+    "buf = buf.lerp(g, 1 - mom); the update is g.lerp(buf, mom) with nesterov (torch's default), else buf itself."
+    p = P((1.,), (2.,))
+    out = muon_momentum(p, mom=0.9, nesterov=True, grad_avg=T(4.))
+    buf = 4. + 0.1 * (2. - 4.)
+    close(out['grad_avg'], buf)
+    close(out['muon_update'], 2. + 0.9 * (buf - 2.))
+    out = muon_momentum(P((1.,), (2.,)), mom=0.9, nesterov=False, grad_avg=T(4.))
+    close(out['muon_update'], buf)
+    assert out['muon_update'] is out['grad_avg']
+    out = muon_momentum(p, mom=0.9, nesterov=False)  # first step: from a zero buffer
+    close(out['grad_avg'], 0.1 * 2.)
+    close(p, 1.), grad_untouched(p, 2.)
+    assert muon_momentum.defaults == dict(mom=0.95, nesterov=True)  # torch.optim.Muon's momentum and nesterov
+
+
+def test_newton_schulz_of_a_rank_one_matrix() -> None:
+    """A rank-1 matrix u v^T has one singular value: the iterations map it from 1 (after normalizing) to
+    `ns_singular_value(steps)` and keep the singular vectors, so the result is that value times u v^T / |u v^T|.
+    Tall and wide alike (a tall one is transposed first); computed in bfloat16, so to bfloat16's precision."""
+    u, v = torch.tensor([3., 4.]), torch.tensor([1., 2., 2.])
+    for x in (torch.outer(u, v), torch.outer(v, u), u[None], u[:, None]):
+        for steps in (1, 2, 5):
+            out = newton_schulz(x.double(), *NS, steps=steps, eps=1e-7)
+            assert out.dtype == torch.bfloat16 and out.shape == x.shape
+            expected = ns_singular_value(steps) * x / x.norm()
+            torch.testing.assert_close(out.double(), expected.double(), rtol=0.02, atol=0.02)
+    assert abs(ns_singular_value(1) - (NS[0] + NS[1] + NS[2])) < 1e-12  # one step from s = 1: a + b + c
+    torch.testing.assert_close(newton_schulz(torch.zeros(2, 3), *NS, steps=5, eps=1e-7).float(), torch.zeros(2, 3))
+
+
+def test_newton_schulz_refuses_other_than_matrices() -> None:
+    import pytest
+    for shape in ((3,), (2, 2, 2)):
+        with pytest.raises(ValueError, match='2-D'):
+            newton_schulz(torch.ones(shape), *NS, steps=5, eps=1e-7)
+
+
+def test_muon_step_adjusts_the_lr_to_the_shape() -> None:
+    """p -= lr' * NS(update), lr' = lr * sqrt(max(1, rows/cols)) ('original', torch's default), or
+    lr * 0.2 * sqrt(max(rows, cols)) ('match_rms_adamw'). A rank-1 update keeps its direction (see above)."""
+    tall = torch.tensor([[3.], [4.]], dtype=torch.float64)
+    cases = [(tall, None, 0.1 * math.sqrt(2.)), (tall, 'original', 0.1 * math.sqrt(2.)),
+             (tall, 'match_rms_adamw', 0.1 * 0.2 * math.sqrt(2.)),
+             (tall.T, None, 0.1), (tall.T, 'match_rms_adamw', 0.1 * 0.2 * math.sqrt(2.))]  # wide: rows/cols = 1/2
+    for upd, fn, lr in cases:
+        w = torch.ones_like(upd)
+        p = w.clone()
+        p.grad = torch.zeros_like(p)
+        muon_step(p, lr=0.1, muon_update=upd, ns_a=NS[0], ns_b=NS[1], ns_c=NS[2], ns_steps=5, eps=1e-7, adjust_lr_fn=fn)
+        torch.testing.assert_close(w - p, lr * ns_singular_value(5) * upd / 5., rtol=0.02, atol=1e-5)  # the update
+        assert p.dtype == torch.float64
+    d = muon_step.defaults
+    assert (d['ns_a'], d['ns_b'], d['ns_c'], d['ns_steps'], d['adjust_lr_fn']) == (*NS, 5, None)
+
+
+# -- torch's RMSprop ---------------------------------------------------------------------------------------------------
+def test_centered_grad_avg_is_a_mean_of_the_grads() -> None:
+    "grad_avg = alpha * grad_avg + (1 - alpha) * g (torch's `centered` mean; alpha is `sqr_mom`)"
+    p = P((1.,), (2.,))
+    close(centered_grad_avg(p, sqr_mom=0.9, grad_avg=T(4.))['grad_avg'], 0.9 * 4. + 0.1 * 2.)
+    close(centered_grad_avg(p, sqr_mom=0.9)['grad_avg'], 0.1 * 2.)
+    close(p, 1.), grad_untouched(p, 2.)
+
+
+def test_torch_rmsprop_step_plain_and_centered() -> None:
+    "p -= lr * g / (sqrt(v) + eps); centered: sqrt(v - m^2), m the mean of the grads"
+    p = P((1.,), (2.,))
+    torch_rmsprop_step(p, lr=0.1, eps=0.5, sqr_avg=T(9.))
+    close(p, 1. - 0.1 * 2. / (3. + 0.5))
+    p = P((1.,), (2.,))
+    torch_rmsprop_step(p, lr=0.1, eps=0.5, sqr_avg=T(9.), grad_avg=T(math.sqrt(5.)))  # v - m^2 = 4
+    close(p, 1. - 0.1 * 2. / (2. + 0.5))
+    grad_untouched(p, 2.)
+    assert torch_rmsprop_step.defaults == dict(eps=1e-8)  # torch.optim.RMSprop's
+
+
+def test_torch_rmsprop_momentum_divides_before_averaging() -> None:
+    "buf = mom * buf + g / (sqrt(v) + eps); p -= lr * buf (torch's order; fastai's averages first)"
+    p = P((1.,), (2.,))
+    out = torch_rmsprop_momentum_step(p, lr=0.1, mom=0.9, eps=0.5, sqr_avg=T(9.), mom_buf=T(1.))
+    buf = 0.9 * 1. + 2. / 3.5
+    close(out['mom_buf'], buf)
+    close(p, 1. - 0.1 * buf)
+    p = P((1.,), (2.,))
+    out = torch_rmsprop_momentum_step(p, lr=0.1, mom=0.9, eps=0.5, sqr_avg=T(9.), grad_avg=T(math.sqrt(5.)))
+    close(out['mom_buf'], 2. / 2.5)  # first step from a zero buffer, centered
+    close(p, 1. - 0.1 * 2. / 2.5)
+    grad_untouched(p, 2.)
