@@ -209,7 +209,7 @@ def test_state_dict_for_a_torch_class_refuses_what_it_cannot_hold():
     assert 'do_wd' not in opt.state_dict(format=torch.optim.AdamW)['state'][0]
 
 
-def test_torch_checkpoint_with_another_weight_decay_is_refused():
+def test_torch_checkpoint_with_another_weight_decay_is_rejected():
     """A torch.optim.Adam checkpoint decaying by L2 does not load into the decoupled cbopt.Adam (nor AdamW's into an L2
     chain): weight_decay would change meaning. The group is named, and what to do; nothing changes. Without decay it
     loads either way."""
@@ -233,7 +233,7 @@ def test_torch_checkpoint_with_another_weight_decay_is_refused():
 @pytest.mark.parametrize('torch_cls,ours', [
     (torch.optim.SGD, lambda ps, **kw: cbopt.SGD(ps, mom=0.9, **kw)),
     (torch.optim.RMSprop, cbopt.RMSProp), (torch.optim.Adagrad, cbopt.Adagrad)])
-def test_torch_checkpoint_of_an_l2_class_is_refused_by_a_decoupled_chain(torch_cls, ours):
+def test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain(torch_cls, ours):
     """torch's SGD, RMSprop and Adagrad decay by L2 and save no flag saying so; their groups' own keys (dampening,
     centered, lr_decay) tell. Into a chain that decays decoupled (cbopt.SGD's default, cbopt.RMSProp's), such a checkpoint with a
     nonzero weight_decay is refused and nothing changes; into the L2 chain it loads and steps on as torch's."""

@@ -33,7 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
     'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
-    'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py']),
+    'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py',
+                                     # what torch.optim's own classes save and load (`torch_class_state_dict`)
+                                     *[f'tests/test_optim.py::{t}' for t in (
+                                         'test_torch_loads_cbopts_state_dict',
+                                         'test_state_dict_for_a_torch_class_refuses_what_it_cannot_hold',
+                                         'test_torch_checkpoint_with_another_weight_decay_is_rejected',
+                                         'test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain')],
+                                     'tests/test_lbfgs.py::test_torch_loads_its_state_dict_mid_run']),
     'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_torch_names.py',
                                      'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
@@ -194,8 +201,10 @@ def check_selection(tests: list[str], pytest_args: list[str]) -> None:
     (parametrized ids are not read here)."""
     if '-k' not in pytest_args: return
     words = re.findall(r'not (\w+)', pytest_args[pytest_args.index('-k') + 1])
-    bad = [f'{t}::{name} ({w!r})' for t in tests for name in re.findall(r'^def (test_\w+)', (ROOT / t).read_text(), re.M)
-           for w in words if w in name and f'_{w}_' not in f'_{name}_']
+    named = [(t, t.partition('::')[2]) if '::' in t else (t, None) for t in tests]  # a file, or one test of it
+    names = [(t, n) for t, one in named
+             for n in ([one] if one else re.findall(r'^def (test_\w+)', (ROOT / t).read_text(), re.M))]
+    bad = [f'{t}::{n} ({w!r})' for t, n in names for w in words if w in n and f'_{w}_' not in f'_{n}_']
     if bad: raise SystemExit("these tests' names hold a word that -k leaves out, inside another word, so they would "
                              "not run: rename them\n  " + '\n  '.join(bad))
 
