@@ -34,13 +34,15 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
     'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
     'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py',
-                                     # what torch.optim's own classes save and load (`torch_class_state_dict`)
+                                     # what torch.optim's own classes save and load (`torch_class_state_dict`,
+                                     # `_torch_group`, `_check_flags`, LBFGS's history: `torch_model_state`/`_entries`)
                                      *[f'tests/test_optim.py::{t}' for t in (
-                                         'test_torch_loads_cbopts_state_dict',
+                                         'test_loads_torchs_state_dict', 'test_torch_loads_cbopts_state_dict',
                                          'test_state_dict_for_a_torch_class_refuses_what_it_cannot_hold',
                                          'test_torch_checkpoint_with_another_weight_decay_is_rejected',
                                          'test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain')],
-                                     'tests/test_lbfgs.py::test_torch_loads_its_state_dict_mid_run']),
+                                     'tests/test_lbfgs.py::test_torch_loads_its_state_dict_mid_run',
+                                     'tests/test_lbfgs.py::test_loads_torchs_state_dict_mid_run']),
     'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_torch_names.py',
                                      'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
