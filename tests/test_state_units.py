@@ -444,3 +444,23 @@ def test_fastai_lookahead_slow_weights_become_slow_p() -> None:
     assert ck.origin == 'fastai'
     for i, saved in enumerate(ck.params):
         assert saved.state['la_step'] == 3 and torch.equal(saved.state['slow_p'], slow[0][i])
+
+
+@pytest.mark.parametrize('torch_cls', [torch.optim.Adam, torch.optim.AdamW])
+def test_a_torch_checkpoint_of_the_other_decay_names_both_decays(torch_cls) -> None:
+    """A torch Adam (L2) checkpoint into a decoupled chain, or AdamW's (decoupled) into an L2 one, is refused saying
+    how torch's decays, with the chain that does not and what to build instead, whole."""
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    theirs = torch_cls([w], weight_decay=0.1)
+    theirs.step()
+    decoupled = torch_cls is torch.optim.AdamW
+    ours = cbopt.optim.Adam([w], weight_decay=0.1) if decoupled else cbopt.Adam([w], wd=0.01)
+    kind, chain = (("decoupled (AdamW's: the param shrinks by lr * weight_decay)", 'l2_reg') if decoupled else
+                   ("by L2 (weight_decay * param added to the grad)", 'weight_decay'))
+    with pytest.raises(ValueError) as e: ours.load_state_dict(theirs.state_dict())
+    assert str(e.value) == (
+        f"param group 0 of the torch.optim state_dict decays the weights {kind}, weight_decay=0.1, but this optimizer's "
+        f"chain [{chain},average_grad,average_sqr_grad,step_stat,adam_step] does not: loading it would change what "
+        f"weight_decay means. Build the optimizer with decouple_wd={decoupled} (cbopt.optim's class of the same name "
+        f"for torch's), or set the group's weight_decay to 0 in the state_dict")
