@@ -189,6 +189,11 @@ def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> 
         assert got is t, name
         torch.testing.assert_close(t, expected, rtol=1e-15, atol=0, msg=name)
     assert bool(barriers) == scalars_once and all(v.dim() == 0 for v in barriers)
+    barriers.clear()
+    w = torch.tensor(0.3, dtype=torch.float64)  # any op's 0-d tensor arg, not only arithmetic's (schedule-free's lerp)
+    with ScalarArgsAsTensors(scalars_once): got = x.lerp(y, w)
+    torch.testing.assert_close(got, x.lerp(y, w), rtol=1e-15, atol=0)
+    assert [v is w for v in barriers] == ([True] if scalars_once else [])
 
 
 # -- step stats and whole-model contract ------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""The compiled chain's per-step numbers: every 0-d value that an op over a param's elements reads passes through
+`cbopt::scalar`, so inductor computes it once before its loops (not once per vector of elements), and the graph pass
+`ScalarsOnce` makes those barriers one call per graph: one per value, none of a graph input, the independent ones
+merged into one `cbopt::scalars`. Checked on a hand-made graph (against the unchanged graph's results) and through
+inductor on schedule-free SGD (whose per-param weights are 0-d tensors), against the loop backend."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import cbopt
+from cbopt.engine import compiled
+from conftest import assert_rel_close
+
+SCALAR, SCALARS = torch.ops.cbopt.scalar.default, torch.ops.cbopt.scalars.default
+
+
+def _calls(gm: torch.fx.GraphModule, target) -> list:
+    return [n for n in gm.graph.nodes if n.op == 'call_function' and n.target is target]
+
+
+def test_scalars_once_dedupes_drops_inputs_and_merges() -> None:
+    def step(x, y, a, w):
+        b = a * 2
+        u = x * SCALAR(b) + y * SCALAR(b)  # one value twice: one barrier
+        v = x * SCALAR(a)                  # a graph input that nothing writes: no barrier
+        c = SCALAR(u.sum())                # reads what a barrier feeds: a call of its own, after the first
+        r = v * SCALAR(w)                  # `w` is written below: kept, and read before the write
+        w.add_(1.)
+        return u * c + r
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(6, generator=g), torch.randn(6, generator=g), torch.tensor(0.3), torch.tensor(-1.5)]
+    gm = make_fx(step)(*[a.clone() for a in args])
+    assert len(_calls(gm, SCALAR)) == 5
+    expected = gm(*[a.clone() for a in args])
+    compiled.ScalarsOnce()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    merged = _calls(gm, SCALARS)
+    assert len(merged) == 1 and len(merged[0].args[0]) == 2  # b's and w's, which do not depend on each other
+    assert len(_calls(gm, SCALAR)) == 1                       # u.sum()'s, which depends on b's
+    assert not any(n.args[0].op == 'placeholder' and n.args[0].name.startswith('a') for n in _calls(gm, SCALAR))
+    got_args = [a.clone() for a in args]
+    torch.testing.assert_close(gm(*got_args), expected, rtol=0, atol=0)
+    assert got_args[3].item() == args[3].item() + 1  # the write still happens
+
+
+def test_schedule_free_compiled_step_computes_its_numbers_in_one_call(monkeypatch) -> None:
+    """Through inductor: one `cbopt::scalars` call per graph (ckp1 and the step sizes of every param, lr), no
+    `scalar` left, one graph for runs of two flat params (the last padded), no recompiles as the warmup moves lr,
+    and the loop's results (1e-6 of each tensor's scale: inductor reorders float ops) over 12 steps."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(compiled, '_COMPILED', {})  # (a fresh compile: its code is what is checked)
+    torch._dynamo.reset()
+    counters.clear()
+    shapes = [(5, 3), (3,), (4,)]
+
+    def run(backend: cbopt.Backend) -> tuple[torch.nn.ParameterList, list]:
+        g = torch.Generator().manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+        opt = cbopt.ScheduleFreeSGD(ps, lr=0.1, wd=0.01, warmup_steps=4, backend=backend).train()
+        codes = []
+        for i in range(12):
+            for p in ps: p.grad = torch.randn(p.shape, generator=g)
+            if i == 1: codes = run_and_get_code(opt.step)[1]  # the compiling step (the first runs eagerly)
+            else: opt.step()
+        return torch.nn.ParameterList(ps), codes
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._dynamo.config.patch(error_on_recompile=True):
+        fused, codes = run(cbopt.Backend('fused', compile_chunk=2))
+    loop, _ = run(cbopt.Backend('loop'))
+    assert counters['stats']['unique_graphs'] == 1 and not counters['recompiles']
+    assert len(codes) == 1
+    assert codes[0].count('torch.ops.cbopt.scalars.default(') == 1
+    assert 'torch.ops.cbopt.scalar.default(' not in codes[0]
+    assert_rel_close(fused, loop, rtol=1e-6)
