@@ -71,6 +71,13 @@ def _zip_call(fn, args: tuple, kwargs: dict):
     return _wrap(res)
 
 
+def _itself(tl: TensorList, res):
+    """`tl` itself where an op gave back its own tensors (an in-place op per tensor: `tl.relu_()`, `torch.relu_(tl)`),
+    as torch returns the tensor itself, and as the foreach-backed in-place ops return the bucket; else `res`."""
+    if isinstance(res, TensorList) and len(res) == len(tl) and len(tl) and all(r is t for r, t in zip(res, tl)): return tl
+    return res
+
+
 def _wrap(res: list):
     "Per-tensor results as a TensorList (or a tuple of them, of torch's named type); anything else is no bucket value."
     if all(isinstance(r, torch.Tensor) for r in res): return TensorList(res)
@@ -124,7 +131,8 @@ class TensorList(list):
         if attr is _MISSING: raise AttributeError(f"'TensorList' object has no attribute {name!r}, nor has a tensor")
         if first is None or not callable(attr):
             raise BucketAttributeError(f"tensor attribute {name!r} has a value per param, none for a whole bucket")
-        return lambda *args, **kwargs: _zip_call(lambda t, *a, **k: getattr(t, name)(*a, **k), (self, *args), kwargs)
+        return lambda *args, **kwargs: _itself(self, _zip_call(lambda t, *a, **k: getattr(t, name)(*a, **k),
+                                                                (self, *args), kwargs))
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -135,7 +143,8 @@ class TensorList(list):
         if args and isinstance(args[0], TensorList) and func is getattr(torch, name, None) \
                 and getattr(cls, name, None) not in (None, getattr(list, name, None)):
             return getattr(args[0], name)(*args[1:], **kwargs)  # torch.sqrt(tl), torch.add(tl, 1)...: the method
-        return _zip_call(func, args, kwargs)
+        res = _zip_call(func, args, kwargs)
+        return _itself(args[0], res) if args and isinstance(args[0], TensorList) else res
 
     # -- foreach-backed ops ------------------------------------------------------------------------------------
     def _binary(self, name: str, other: Any, inplace: bool, alpha: Any = 1):

@@ -718,3 +718,22 @@ def test_error_messages() -> None:
 def test_repr() -> None:
     "A TensorList shows as one, with its tensors as a list shows them."
     assert repr(TensorList([torch.tensor(1.), torch.tensor([2., 3.])])) == "TensorList([tensor(1.), tensor([2., 3.])])"
+
+
+@pytest.mark.parametrize('op', ['method', 'torch'])
+@pytest.mark.parametrize('name, args', [('relu_', ()), ('fill_', (0.25,)), ('clamp_min_', (0.5,))])
+def test_inplace_ops_without_a_kernel_return_the_bucket(name: str, args: tuple, op: str) -> None:
+    """An in-place op that runs per tensor (no foreach kernel: `tl.relu_()`, `torch.relu_(tl)`) returns the bucket
+    itself, its tensors changed, as the foreach-backed ones do and as `t.relu_()` returns `t`."""
+    x = make()
+    if op == 'torch' and not hasattr(torch, name): pytest.skip(f'torch has no function {name}')
+    fn = (lambda tl: getattr(tl, name)(*args)) if op == 'method' else (lambda tl: getattr(torch, name)(tl, *args))
+    run(x, fn, [getattr(t.clone(), name)(*args) for t in x], inplace=True)
+
+
+def test_an_op_giving_new_tensors_gives_a_new_bucket() -> None:
+    "Not in place: a new TensorList, even of an op named like one (`tl.clone()`), and of an empty bucket."
+    x = make()
+    run(x, lambda tl: tl.clone(), [t.clone() for t in x], inplace=False)
+    empty = TensorList([])
+    assert torch.zeros_like(empty) is not empty
