@@ -113,6 +113,20 @@ class ParamGroup(dict):
     def update(self, *args, **kw):
         for k, v in dict(*args, **kw).items(): self[k] = v
 
+    def __delitem__(self, k):
+        "Deleting a key deletes the keys tied to it (`del g['momentum']` deletes `mom` too): they stay one value."
+        if k not in self: raise KeyError(k)
+        canon = ALIASES.get(k, k)
+        for key in (canon, *(a for a, c in ALIASES.items() if c == canon)): super().pop(key, None)
+
+    def pop(self, k, *default):
+        if k not in self:
+            if default: return default[0]
+            raise KeyError(k)
+        v = self[k]
+        del self[k]
+        return v
+
     def setdefault(self, k, v=None):
         if ALIASES.get(k, k) not in self: self[k] = v
         return self[k]

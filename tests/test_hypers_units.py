@@ -110,6 +110,22 @@ def test_setdefault_sees_the_alias() -> None:
     assert g2.setdefault('momentum', 0.3) == 0.3 and g2['mom'] == 0.3
 
 
+
+@pytest.mark.parametrize('key, other', [('momentum', 'mom'), ('mom', 'momentum')])
+def test_deleting_one_alias_deletes_both(key: str, other: str) -> None:
+    "`del g['momentum']` (or `pop`) takes `mom` with it: the two stay one value, and a later setdefault sets both."
+    g = group()
+    del g[key]
+    assert key not in g and other not in g and g['lr'] == 0.1
+    assert g.setdefault(key, 0.3) == 0.3 and g[other] == 0.3
+    assert g.pop(other) == 0.3 and 'mom' not in g and 'momentum' not in g
+    assert g.pop(key, 'none') == 'none'
+    with pytest.raises(KeyError):
+        g.pop(key)
+    with pytest.raises(KeyError):
+        del g[key]
+    assert g.pop('lr') == 0.1 and 'lr' not in g
+
 # -- check_hyper's refusals, whole (issue #14: mutation testing of `cbopt/hypers.py`) -------------------------------
 REFUSALS = [  # (name, value, group index) -> (error, the whole message)
     ((3, 0.1, None), (TypeError, "hyper names are strings, got 3 (int)")),

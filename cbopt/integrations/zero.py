@@ -68,7 +68,8 @@ def _global_names(zero) -> list[str]:
 def _checkpoint_groups(zero, state_dict: dict) -> dict:
     "ZeRO's consolidated state_dict as cbopt's own: each group with its chain's name and its params' names."
     names = _global_names(zero)
-    for g, mine in zip(state_dict['param_groups'], zero.optim.param_groups):
+    for i, (g, mine) in enumerate(zip(state_dict['param_groups'], zero.optim.param_groups)):
+        g = state_dict['param_groups'][i] = dict(g)  # (a plain dict: a ParamGroup would pop `mom` with `momentum`)
         g.pop('cbs', None)
         g['chain'] = chain_name(mine['cbs'])
         for alias, canon in ALIASES.items():
