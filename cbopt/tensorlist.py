@@ -72,8 +72,9 @@ def _zip_call(fn, args: tuple, kwargs: dict):
 
 
 def _itself(tl: TensorList, res):
-    """`tl` itself where an op gave back its own tensors (an in-place op per tensor: `tl.relu_()`, `torch.relu_(tl)`),
-    as torch returns the tensor itself, and as the foreach-backed in-place ops return the bucket; else `res`."""
+    """`tl` itself where an op gave back its own tensors, as torch returns the tensor itself: an in-place op per tensor
+    (`tl.relu_()`, `torch.relu_(tl)`, as the foreach-backed in-place ops return the bucket), or an op that returns its
+    input unchanged (`tl.contiguous()` of contiguous tensors, as `t.contiguous() is t`); else `res`."""
     if isinstance(res, TensorList) and len(res) == len(tl) and len(tl) and all(r is t for r, t in zip(res, tl)): return tl
     return res
 
