@@ -317,13 +317,20 @@ class Optimizer(torch.optim.Optimizer):
         name them (another grouping or order loads), by position otherwise. Strict and atomic: any mismatch raises an
         error naming the param, and leaves this optimizer exactly as it was. (An integration may let a checkpoint with no state at
         all restart the optimizer: fastai's lr_find, see `cbopt.integrations.fastai`.)"""
+        self.prepared_load(state_dict)()
+
+    def prepared_load(self, state_dict: dict) -> Callable[[], None]:
+        """Check `state_dict` as `load_state_dict` does and build what it loads, changing nothing; returns the commit
+        that loads it (nothing in it can fail, the post-hooks aside). For loads that must be all or nothing across several optimizers (a ZeRO
+        rank's part: `cbopt.integrations.zero`): check every part, then commit each."""
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         fresh_ok = any(policy(self) for policy in load_policies)
         new_state, new_hypers = prepare_load(self, state_dict, fresh_ok=fresh_ok)
-        for p in self.params:  # commit: nothing below can fail
-            self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
-        for g, h in zip(self.param_groups, new_hypers): g.update(h)
-        _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
+        def commit() -> None:
+            for p in self.params: self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
+            for g, h in zip(self.param_groups, new_hypers): g.update(h)
+            _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
+        return commit
 
     # -- pickling (torch's __getstate__ keeps only defaults, state and param_groups) -------------------------------
     def __getstate__(self) -> dict:

@@ -209,6 +209,56 @@ def zero_named_resume(rank: int, world: int, steps: int, more: int, path: str) -
             'refused': refused}
 
 
+# a ZeRO checkpoint of `make_model()` with one thing wrong, late in the order: the last param (3, owned by rank 1:
+# ZeRO splits the params by size, rank 0 holding 0.weight) or the group's entries, read after every param's state
+def _retyped(sd): sd['state'][3]['sqr_avg'] = sd['state'][3]['sqr_avg'].long()
+def _reshaped(sd): sd['state'][3]['grad_avg'] = torch.zeros(5)
+def _unknown_entry(sd): sd['param_groups'][0]['warmup.iter'] = 3
+def _param_too_many(sd): sd['param_groups'][0]['params'].append(4)
+BAD_ZERO_CHECKPOINTS = {
+    'dtype': (_retyped, "'3'"), 'shape': (_reshaped, "'3'"),
+    'missing entry': (lambda sd: sd['state'][3].pop('sqr_avg'), "'3'"),
+    'no state': (lambda sd: sd['state'].pop(3), "'3'"),
+    'hyper': (lambda sd: sd['param_groups'][0].update(eps=-1.0), 'eps'),
+    'chain': (lambda sd: sd['param_groups'][0].update(chain='average_grad,momentum_step'), 'param group 0'),
+    'whole-model entry': (_unknown_entry, "'warmup.iter'"),
+    'group size': (_param_too_many, 'param group 0'),
+}
+
+
+def zero_refuses_bad_checkpoints(rank: int, world: int, steps: int, more: int) -> dict:
+    """Two identical ZeRO runs over cbopt.Adam (`a`, `b`) train `steps` steps; `a`'s consolidated checkpoint then; both
+    train `more` steps (so that any value loaded would show), then `a` is given each of `BAD_ZERO_CHECKPOINTS`; both
+    take one more step. What `a` held before and after the loads, each load's error, and both runs' params and state."""
+    import copy
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    runs = []
+    for _ in range(2):
+        model = DDP(make_model())
+        runs.append((model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)))
+    (model_a, zero_a), (model_b, zero_b) = runs
+    for model, zero in runs: train(model, zero, steps, rank, world)
+    zero_a.consolidate_state_dict(to=0)
+    sd = [zero_a.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(sd, src=0)
+    for model, zero in runs: train(model, zero, more, rank, world, start=steps)
+    def held(zero) -> dict:  # this rank's state and hypers, and ZeRO's own groups
+        return {'local': zero.optim.named_state_dict(), 'zero_groups': [{k: v for k, v in g.items() if k != 'params'}
+                                                                        for g in zero.param_groups]}
+    before, errors = held(zero_a), {}
+    for what, (spoil, _) in BAD_ZERO_CHECKPOINTS.items():
+        bad = copy.deepcopy(sd[0])
+        spoil(bad)
+        try: zero_a.load_state_dict(bad)
+        except Exception as e: errors[what] = f'{type(e).__name__}: {e}'
+        else: errors[what] = None
+    after = held(zero_a)
+    for model, zero in runs: train(model, zero, 1, rank, world, start=steps + more)
+    return {'errors': errors, 'before': before, 'after': after, 'a': params(model_a.module), 'b': params(model_b.module),
+            'state_a': zero_a.optim.named_state_dict(), 'state_b': zero_b.optim.named_state_dict()}
+
+
 def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
     "ZeroRedundancyOptimizer over a model of one param: rank 1 owns nothing, its cbopt.Adam has an empty group."
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -75,7 +75,7 @@ def test_zero_checkpoint_of_named_ranks_loads_by_name_and_back(tmp_path):
     assert sorted(n for r in ranks for n in r['names']) == sorted(opt.param_names)  # each rank names its own share
     D.train(model, opt, 3, start=STEPS)
     for r in ranks:
-        assert 'param group 0 was saved by the chain [average_grad,momentum_step]' in r['refused']
+        assert r['refused'].startswith('param group 0 (') and 'was saved by the chain [average_grad,momentum_step]' in r['refused']
         assert r['names_after_load'] == r['names']
         assert sorted(r['loaded']['state']) == sorted(r['names'])
         for n in r['names']: assert_close_at_scale(r['loaded']['state'][n]['sqr_avg'], want[n]['sqr_avg'], f'loaded {n}')
@@ -91,6 +91,24 @@ def test_zero_with_an_empty_partition():
     D.train(lin, opt, 3)
     assert sorted(r['local_params'] for r in ranks) == [0, 1]
     for r in ranks: assert_close_at_scale(r['weight'], lin.weight.detach(), 'weight')
+
+
+def test_zero_load_of_a_bad_checkpoint_changes_nothing_on_any_rank():
+    """A ZeRO checkpoint with one thing wrong late in the order (a param's state of another dtype or shape, a missing
+    state entry or param state, an invalid hyper, another chain, an unknown whole-model entry, a param too many) is
+    refused on every rank, naming the culprit (the refusing rank on the others), and changes nothing: each rank's state
+    and hypers and ZeRO's groups are as they were, and the next step is bit for bit that of a twin never given it."""
+    ranks = D.spawn(D.zero_refuses_bad_checkpoints, 3, 2)
+    for rank, r in enumerate(ranks):
+        for what, (_, culprit) in D.BAD_ZERO_CHECKPOINTS.items():
+            assert r['errors'][what] is not None and culprit in r['errors'][what], (rank, what, r['errors'][what])
+        assert_same_state(r['after']['local'], r['before']['local'], f'rank {rank}')
+        assert r['after']['zero_groups'] == r['before']['zero_groups'], rank
+        for n, p in r['b'].items(): assert torch.equal(r['a'][n], p), (rank, n)
+        assert_same_state(r['state_a'], r['state_b'], f'rank {rank} after a step')
+    for what in ('dtype', 'shape', 'missing entry', 'no state'):  # only rank 1 holds param 3: rank 0 refuses with it
+        assert ranks[0]['errors'][what].split(': ', 1)[1].startswith('rank 1 refused the state_dict: '), what
+        assert ranks[1]['errors'][what].split(': ', 1)[0] == ranks[0]['errors'][what].split(': ', 1)[0], what
 
 
 # -- distributed checkpoints: saved by 2 ranks, loaded by 1, and the reverse ---------------------------------------
