@@ -347,8 +347,9 @@ def test_regrouped_hypers_that_disagree_keep_ours_with_a_warning():
     src = step_random(cbopt.Adam([{**g, 'lr': lr} for g, lr in zip(_groups_by(make_model(0), ['bias', 'weight']), [0.1, 0.2])],
                                  wd=0.1), 1)
     one = cbopt.Adam(make_model(0).named_parameters(), lr=0.5, wd=0.3)
-    with pytest.warns(UserWarning, match=r"'lr' the values \[0.1, 0.2\]: group 0 keeps its own lr=0.5"):
+    with pytest.warns(UserWarning, match=r"'lr' the values \[0.1, 0.2\]: group 0 keeps its own lr=0.5") as seen:
         one.load_state_dict(src.state_dict())
+    assert [w.filename for w in seen] == [__file__]  # the warning names the user's line, not cbopt's
     assert one.hypers[0]['lr'] == 0.5 and one.hypers[0]['wd'] == 0.1
 
 

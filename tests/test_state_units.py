@@ -5,6 +5,7 @@ out here. `test_state_dict.py` and `test_resume.py` check that real checkpoints 
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import warnings
 
@@ -146,6 +147,33 @@ def test_a_regrouped_checkpoint_gives_each_group_the_hypers_of_its_params_groups
                    for n, p in src.named_params().items())
 
 
+def test_whole_model_state_is_checked_and_converted_entry_by_entry() -> None:
+    """A whole-model callback's state in a checkpoint's group: a missing entry and one of another kind are refused by
+    name; a count saved as a float or a 1-element tensor loads as the int the callback keeps."""
+    def skipping() -> cbopt.Optimizer:
+        opt = cbopt.SkipNonFinite(cbopt.Adam(list(model().named_parameters()), lr=0.01))
+        for i, bad in enumerate((False, True)):
+            grads(opt.params, i)
+            if bad: opt.params[0].grad[0, 0] = float('inf')
+            opt.step()
+        return opt
+    src, opt = skipping(), skipping()
+    missing = src.named_state_dict()
+    del missing['param_groups'][0]['skip_nonfinite.skipped_total']
+    refused(opt, missing, KeyError, "whole-model callback state 'skip_nonfinite.skipped_total' (group 0) is missing "
+                                    "from the state_dict")
+    text = src.named_state_dict()
+    text['param_groups'][0]['skip_nonfinite.skipped_total'] = 'one'
+    refused(opt, text, TypeError, "state 'skip_nonfinite.skipped_total' of param 'group 0' is a str in the state_dict, "
+                                  "a number here")
+    for saved in (4.0, torch.tensor(4)):
+        sd = src.named_state_dict()
+        sd['param_groups'][0]['skip_nonfinite.skipped_total'] = saved
+        opt.load_state_dict(sd)
+        total = opt.param_groups[0]['skip_nonfinite.skipped_total']
+        assert type(total) is int and total == 4, saved
+
+
 def test_another_chain_is_rejected_per_group() -> None:
     opt = adam(groups=True)
     sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).named_state_dict()
@@ -262,8 +290,10 @@ def test_named_state_dict_is_a_plain_snapshot() -> None:
     opt = adam()
     opt.param_groups[0]['lr'] = np.float32(0.5)
     opt.state[opt.params[0]]['step'] = np.int64(2)
+    opt.state[opt.params[1]]['step'] = torch.tensor(2.)  # a step count as a step traced by torch.compile leaves it
     sd = named_state_dict(opt)
-    assert type(sd['param_groups'][0]['lr']) is float and type(sd['state']['0.weight']['step']) is int
+    assert type(sd['param_groups'][0]['lr']) is float
+    assert [(type(sd['state'][n]['step']), sd['state'][n]['step']) for n in ('0.weight', '0.bias')] == [(int, 2)] * 2
     assert sd['param_groups'][0]['params'] == ['0.weight', '0.bias', '1.weight', '1.bias']
     assert set(sd['param_groups'][0]) == {'lr', 'mom', 'sqr_mom', 'eps', 'wd', 'chain', 'params'}
     t = sd['state']['0.weight']['grad_avg']
@@ -446,6 +476,56 @@ def test_fastai_lookahead_slow_weights_become_slow_p() -> None:
         assert saved.state['la_step'] == 3 and torch.equal(saved.state['slow_p'], slow[0][i])
 
 
+def test_fastai_lookahead_over_sgd_with_flags_loads_its_slow_weights() -> None:
+    """fastai's own Lookahead over its plain SGD, whose states hold only the flags its Learner sets (`do_wd`): every
+    param takes its slow weights and fastai's count, and the two step on alike."""
+    from fastai.optimizer import SGD as FastaiSGD, Lookahead as FastaiLookahead
+    theirs, ours = model(), model()
+    fastai_opt = FastaiLookahead(FastaiSGD(list(theirs.parameters()), lr=0.1, wd=0.1), k=3)
+    opt = cbopt.Lookahead(cbopt.SGD(list(ours.named_parameters()), lr=0.1, wd=0.1), k=3)
+    for o in (fastai_opt, opt):
+        for p in (theirs if o is fastai_opt else ours).parameters(): o.state[p]['do_wd'] = p.ndim > 1
+    def run(o, m, steps, start):
+        for i in range(start, start + steps):
+            grads(list(m.parameters()), i)
+            o.step()
+    run(fastai_opt, theirs, 4, 0)
+    ours.load_state_dict(theirs.state_dict())
+    opt.load_state_dict(fastai_opt.state_dict())
+    slow = [w for g in fastai_opt.slow_weights for w in g]
+    assert all(torch.equal(opt.state[p]['slow_p'], w) and opt.state[p]['la_step'] == 4 for p, w in zip(opt.params, slow))
+    run(fastai_opt, theirs, 4, 4), run(opt, ours, 4, 4)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert (p - q).abs().max() <= 1e-6 * q.abs().max()
+
+
+def test_a_fastai_style_chain_expects_the_state_its_first_step_makes_for_the_params_flags() -> None:
+    """A chain with an undeclared (fastai-style) callback expects, for a param with no state yet, what a first step
+    makes for that param's flags (here: a decay average kept for decayed params only), plus the per-param state its
+    whole-model callbacks declare (`Accumulate`'s grad sums): its own checkpoint loads into a fresh one, exactly."""
+    def decay_avg(p, lr, wd, do_wd=True, decay_avg=None, **kwargs):  # fastai-style: no declarations
+        if not do_wd: return None
+        avg = p.data.mul(wd) if decay_avg is None else decay_avg.mul(0.9).add(p.data, alpha=0.1 * wd)
+        p.data.sub_(avg, alpha=lr)
+        return {'decay_avg': avg}
+    def make() -> cbopt.Optimizer:
+        opt = cbopt.Accumulate(cbopt.Optimizer(list(model().named_parameters()), [decay_avg, cbopt.sgd_step], lr=0.1,
+                                               wd=0.01), every=1)
+        for p in opt.params: opt.state[p]['do_wd'] = p.ndim > 1
+        return opt
+    src, dst = make(), make()
+    for i in range(2):
+        grads(src.params, i)
+        src.step()
+    assert [sorted(split_flags(src.state[p])[0]) for p in src.params] == \
+        [['accumulate_grads.grad_sum', 'decay_avg'], ['accumulate_grads.grad_sum']] * 2
+    dst.load_state_dict(src.state_dict())
+    for p, q in zip(dst.params, src.params):
+        assert dst.state[p].keys() == src.state[q].keys()
+        assert all(torch.equal(v, src.state[q][k]) if torch.is_tensor(v) else v == src.state[q][k]
+                   for k, v in dst.state[p].items())
+
+
 @pytest.mark.parametrize('torch_cls', [torch.optim.Adam, torch.optim.AdamW])
 def test_a_torch_checkpoint_of_the_other_decay_names_both_decays(torch_cls) -> None:
     """A torch Adam (L2) checkpoint into a decoupled chain, or AdamW's (decoupled) into an L2 one, is refused saying
@@ -464,3 +544,134 @@ def test_a_torch_checkpoint_of_the_other_decay_names_both_decays(torch_cls) -> N
         f"chain [{chain},average_grad,average_sqr_grad,step_stat,adam_step] does not: loading it would change what "
         f"weight_decay means. Build the optimizer with decouple_wd={decoupled} (cbopt.optim's class of the same name "
         f"for torch's), or set the group's weight_decay to 0 in the state_dict")
+
+
+# -- what torch.optim's own classes save (`state_dict(format=cls)`, cbopt.optim's default) ------------------------------
+def torch_twins():
+    """(name, arguments) of the torch.optim classes cbopt.optim has: their defaults, then a decaying, maximizing config
+    (where the class takes those), each in the implementations the class takes (torch's `foreach`, `fused` on CPU:
+    cbopt's backend)."""
+    for name in cbopt.optim.__all__:
+        if not hasattr(torch.optim, name): continue
+        takes = inspect.signature(getattr(torch.optim, name)).parameters
+        impls = [{}, *([dict(foreach=False), dict(foreach=True)] if 'foreach' in takes else []),
+                 *([dict(fused=True)] if name in ('Adam', 'AdamW', 'SGD', 'Adagrad') else [])]  # torch's CPU kernels
+        other = {k: v for k, v in dict(lr=0.01, weight_decay=0.1, maximize=True).items() if k in takes}
+        for config in ({}, other):
+            for impl in impls: yield name, {**config, **impl}
+
+
+def same(a, b) -> bool:
+    "Equal values of the same types, tensors (torch.equal) and tuples included."
+    if torch.is_tensor(a) or torch.is_tensor(b): return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict): return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_a_torch_class_checkpoint_has_the_group_entries_torchs_class_saves() -> None:
+    """cbopt.optim's `state_dict()` (`format=` its torch class) gives each group exactly the entries torch's class
+    saves for the same arguments: defaults or not, in each implementation (`foreach`/`fused` from
+    cbopt's backend, `None` for `auto`), AdamW's `decoupled_weight_decay=True` (a flag its constructor does not take),
+    and `initial_lr` once an LR scheduler is attached."""
+    checked = set()
+    for name, kwargs in torch_twins():
+        groups = []
+        for lib in (torch.optim, cbopt.optim):
+            ps = [(n, p) for n, p in model().named_parameters() if name != 'Muon' or p.ndim == 2]  # (Muon: matrices)
+            opt = getattr(lib, name)(ps, **kwargs)
+            torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+            groups.append(opt.state_dict()['param_groups'])
+        theirs, ours = groups
+        assert same(ours, theirs), (name, kwargs, ours, theirs)
+        checked.add((name, kwargs.get('foreach'), kwargs.get('fused')))
+    assert {('Adam', None, True), ('AdamW', True, None), ('SGD', False, None), ('LBFGS', None, None)} <= checked
+
+
+def test_a_torch_class_checkpoint_holds_the_state_torchs_class_saves() -> None:
+    """Its state is torch's, param by param: a param that never had a grad has none (nor do the params after it lose
+    theirs), a whole-model callback's per-param state (`Accumulate`'s grad sums) is left out, fastai's `do_wd` flag is
+    not written; the numbers are those torch's class has after the same steps."""
+    def run(opt, ps, steps=3):
+        for i in range(steps):
+            grads(ps[1:], i)  # '0.weight' never gets a grad
+            opt.step()
+    for name, kw, wrap in (('AdamW', dict(lr=0.01, weight_decay=0.1), lambda o: cbopt.Accumulate(o, every=1)),
+                           ('Rprop', dict(lr=0.01), lambda o: o)):  # Rprop: no weight decay, so do_wd says nothing
+        theirs, ours = list(model().parameters()), list(model().parameters())
+        torch_opt = getattr(torch.optim, name)(theirs, **kw)
+        opt = wrap(getattr(cbopt.optim, name)(ours, **kw))
+        for p in ours: opt.state[p]['do_wd'] = name == 'AdamW' or p.ndim > 1  # as fastai's Learner sets it (wd_bn_bias=False)
+        run(torch_opt, theirs), run(opt, ours)
+        want, got = torch_opt.state_dict()['state'], opt.state_dict(format=getattr(torch.optim, name))['state']
+        assert sorted(got) == sorted(want) == [1, 2, 3]
+        for i in want:
+            assert got[i].keys() == want[i].keys(), (name, i)
+            for k, v in want[i].items():
+                scale = v.abs().max().clamp(min=1e-12)
+                assert (torch.as_tensor(got[i][k], dtype=v.dtype) - v).abs().max() <= 1e-6 * scale, (name, i, k)
+
+
+def test_a_checkpoint_packed_by_torchs_own_state_dict_is_cbopts() -> None:
+    """torch.optim.Optimizer's own `state_dict` of a cbopt optimizer (what torch tools that copy its groups make) holds
+    each group's live chain (`cbs`) and cbopt's names: it is read as cbopt's, its chain by name (another chain is
+    refused), its groups' entries without `params`, `param_names` and `cbs`, and it loads exactly."""
+    src = adam(groups=True, wd=0.1)
+    src.set_hyper('lr', 0.02)
+    sd = torch.optim.Optimizer.state_dict(src)
+    assert all('cbs' in g and 'chain' not in g for g in sd['param_groups'])
+    ck = read_checkpoint(sd)
+    assert ck.origin == 'cbopt'
+    chain = named_state_dict(src)['param_groups'][0]['chain']
+    assert ck.groups == [{**{k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}, 'chain': chain}
+                         for g in sd['param_groups']]
+    dst = adam(steps=1, groups=True)
+    dst.load_state_dict(sd)
+    assert dst.hypers == src.hypers and [h['lr'] for h in dst.hypers] == [0.02, 0.02]
+    for p, q in zip(dst.params, src.params):
+        assert dst.state[p].keys() == src.state[q].keys()
+        assert all(torch.equal(v, src.state[q][k]) if torch.is_tensor(v) else v == src.state[q][k]
+                   for k, v in dst.state[p].items())
+    lamb = cbopt.Lamb(list(model().named_parameters()), lr=0.01)
+    grads(lamb.params, 0)
+    lamb.step()
+    refused(lamb, torch.optim.Optimizer.state_dict(src), ValueError,
+            f"param '0.weight' (group 0) was saved by the chain [{chain}], but runs "
+            f"[{named_state_dict(lamb)['param_groups'][0]['chain']}] here: its state belongs to another algorithm")
+
+
+def test_lbfgs_history_goes_under_torchs_first_param_past_other_whole_model_callbacks() -> None:
+    """With a whole-model callback that torch has no state for (`grad_norm`) before `lbfgs`, torch's LBFGS checkpoint
+    still loads its history into the group, and `state_dict(format=torch.optim.LBFGS)` still puts it under the first
+    param: each side then steps on as the other (grad_norm changes no grad)."""
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(16, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    def run(m, opt, steps):
+        def closure():
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+        for _ in range(steps): opt.step(closure)
+    hypers = dict(lr=0.2, max_iter=4, history_size=3)
+    ours = lambda m: cbopt.wrappers.wrap(cbopt.LBFGS(m.named_parameters(), **hypers), cbopt.grad_norm)
+    a, b = mlp(), mlp()
+    torch_opt, opt = torch.optim.LBFGS(a.parameters(), **hypers), ours(b)
+    run(a, torch_opt, 3)
+    run(b, opt, 1)
+    b.load_state_dict(a.state_dict())
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    history = torch_opt.state[a[0].weight]
+    assert len(opt.param_groups[0]['lbfgs.old_dirs']) == len(history['old_dirs']) == 3
+    assert opt.param_groups[0]['lbfgs.func_evals'] == history['func_evals']
+    c = mlp()
+    c.load_state_dict(b.state_dict())
+    back = torch.optim.LBFGS(c.parameters(), **hypers)
+    back.load_state_dict(opt.state_dict(format=torch.optim.LBFGS))
+    assert list(back.state_dict()['state']) == [0]
+    run(a, torch_opt, 3), run(b, opt, 3), run(c, back, 3)
+    for m in (b, c):
+        for p, q in zip(m.parameters(), a.parameters()):
+            assert (p - q).abs().max() <= 1e-9 * q.abs().max()

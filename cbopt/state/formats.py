@@ -15,7 +15,7 @@ from ..hypers import TORCH_HYPER_NAMES, from_torch_names
 from .flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
-           'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
+           'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_FIXED_FLAGS', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
            'chain_flags', 'torch_state', 'torch_model_state', 'torch_model_entries']
 
 # torch's group entries -> cbopt's hypers: `cbopt.hypers.TORCH_HYPER_NAMES`, and what callbacks declare (`cb.torch_names`).
@@ -28,7 +28,9 @@ __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTI
 TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize', 'nesterov', 'centered', 'decoupled_weight_decay')
 TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm but SGD and Muon; cbopt where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
-TORCH_DECOUPLED = ('AdamW', 'Adafactor', 'Muon')  # torch's classes whose weight_decay is decoupled with no flag saying so
+TORCH_DECOUPLED = ('Adafactor', 'Muon')  # torch's classes whose weight_decay is decoupled with no flag saying so
+# flags torch's classes save in every group though their constructor does not take them (AdamW is Adam with this set)
+TORCH_FIXED_FLAGS = {'AdamW': {'decoupled_weight_decay': True}}
 # a key only torch's L2-decaying classes save (SGD, RMSprop, Adagrad, Adadelta, ASGD): a group holding one decays by L2
 # though it has no `decoupled_weight_decay` flag (Adam's and AdamW's groups from before torch 2.6 have neither: unknown)
 TORCH_L2_KEYS = ('dampening', 'centered', 'lr_decay', 'rho', 'lambd')
@@ -63,21 +65,18 @@ def _check_flags(i: int, g: Mapping, cbs) -> None:
     """A torch group's algorithm flags (`TORCH_CHAIN_FLAGS`) must be what the chain `cbs` does: else another algorithm.
     `decoupled_weight_decay` (torch's Adam, AdamW, RAdam, NAdam save it) matters only with a nonzero weight_decay."""
     ours, reads = chain_flags(cbs), chain_reads(cbs)
-    if ('decoupled_weight_decay' not in g and 'decoupled_weight_decay' in ours and any(k in g for k in TORCH_L2_KEYS)
-            and float(g.get('weight_decay', 0) or 0)):
-        g = {**g, 'decoupled_weight_decay': False}  # an L2 class's group, read by a chain that decays decoupled
+    if any(k in g for k in TORCH_L2_KEYS): g = {'decoupled_weight_decay': False, **g}  # an L2 class's group says so
     for flag in TORCH_CHAIN_FLAGS:
         if flag not in g or flag in reads or bool(g[flag]) == (flag in ours): continue
-        if flag == 'decoupled_weight_decay':
-            wd = g.get('weight_decay', 0)
-            if not float(wd): continue  # no decay: the same numbers either way
+        if flag != 'decoupled_weight_decay':
+            raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
+                             f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={flag in ours}: build it with {flag}={bool(g[flag])}")
+        if wd := g.get('weight_decay'):  # (without decay: the same numbers either way)
             raise ValueError(f"param group {i} of the torch.optim state_dict decays the weights {_decay_kind(g[flag])}, "
                              f"weight_decay={wd}, but this optimizer's chain [{chain_name(cbs)}] does not: loading it "
                              f"would change what weight_decay means. Build the optimizer with decouple_wd={bool(g[flag])} "
                              f"(cbopt.optim's class of the same name for torch's), or set the group's "
                              f"weight_decay to 0 in the state_dict")
-        raise ValueError(f"param group {i} of the torch.optim state_dict has {flag}={g[flag]!r}, but this "
-                         f"optimizer's chain [{chain_name(cbs)}] runs as {flag}={flag in ours}: build it with {flag}={bool(g[flag])}")
 
 
 class Saved(NamedTuple):

@@ -25,9 +25,10 @@ import torch
 
 from ..chain import (chain_counters, chain_defaults, chain_name, chain_reads, init_chain_state, is_declared,
                      model_param_state, param_chain, run_chain, transient_keys, unwrap)
+from ..engine.runtime import user_stacklevel
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
-from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
+from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
                       chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_entries, torch_model_state,
                       torch_state, torch_state_names)
 from .names import canonical_names, is_positional
@@ -87,14 +88,13 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
     algorithm), a flag or a decay `cls` does not have, a hyper it has no entry for (unless at its callback's default,
     which changes nothing), fastai's `do_wd=False`. Whole-model callbacks (clipping...) are not torch.optim's: their
     entries are left out, but for those torch keeps under a group's first param (`cb.torch_model_state`: LBFGS's)."""
-    sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
     what = f"torch.optim.{cls.__name__}"
     base = torch_state_dict(opt)
     state, groups = {}, []
     for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
         cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
         where = f"param group {i} (chain [{chain_name(cbs)}])"
-        groups.append({**_torch_group(where, what, sig, cbs, hyper, opt.backend),
+        groups.append({**_torch_group(where, cls, cbs, hyper, opt.backend),
                        'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
@@ -123,14 +123,18 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
 def _nonzero(v: Any) -> bool: return bool(float(v))
 
 
-def _torch_group(where: str, what: str, sig: Mapping, cbs: list, hyper: Mapping, backend: str) -> dict:
-    "One group's entries as torch's class saves them (`sig`: its constructor's arguments and defaults); see `torch_class_state_dict`."
+def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
+    """One group's entries as torch's class `cls` saves them: its constructor's arguments (at their defaults where the
+    chain does not say) and the flags it fixes (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
     names, flags, reads = torch_hyper_names(cbs), chain_flags(cbs), chain_reads(cbs)
+    what, fixed = f"torch.optim.{cls.__name__}", TORCH_FIXED_FLAGS.get(cls.__name__, {})
+    sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
     out, used = {}, set()
-    for k, default in sig.items():
+    for k, default in {**sig, **fixed}.items():
         canon = names.get(k)
         parts = (canon if isinstance(canon, tuple) else (canon,)) if canon else ()
-        if k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
+        if k in fixed: out[k] = default
+        elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
         elif parts and all(c in hyper for c in parts):
             out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
             used.update(parts)
@@ -141,7 +145,7 @@ def _torch_group(where: str, what: str, sig: Mapping, cbs: list, hyper: Mapping,
     wd = hyper.get('wd', 0)
     if 'wd' in reads and _nonzero(wd):
         ours = 'decoupled_weight_decay' in flags
-        theirs = out['decoupled_weight_decay'] if 'decoupled_weight_decay' in sig else what.rpartition('.')[2] in TORCH_DECOUPLED
+        theirs = out['decoupled_weight_decay'] if 'decoupled_weight_decay' in out else cls.__name__ in TORCH_DECOUPLED
         if ours != theirs:
             raise ValueError(f"{where} decays the weights {'decoupled' if ours else 'by L2'} (wd={wd}), {what} "
                              f"{'decoupled' if theirs else 'by L2'}: its weight_decay would mean another decay")
@@ -262,7 +266,7 @@ def _regrouped_hypers(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> l
             if all(v == values[0] for v in values) and len(values) == len(sources): merged[key] = values[0]
             elif key in g:
                 warnings.warn(f"group {i}'s params come from checkpoint groups {sources}, which give {key!r} the values "
-                              f"{values}: group {i} keeps its own {key}={g[key]!r}", stacklevel=4)
+                              f"{values}: group {i} keeps its own {key}={g[key]!r}", stacklevel=user_stacklevel())
         out.append(merged)
     return out
 
