@@ -95,6 +95,9 @@ def test_group_errors() -> None:
     gone = copy.deepcopy(sd)
     gone['param_groups'][1]['params'].remove('1.bias')
     refused(opt, gone, KeyError, "param '1.bias' (group 1) is missing from the state_dict")
+    twice = copy.deepcopy(opt.state_dict())
+    twice['param_groups'][1]['params'].append(0)
+    refused(opt, twice, ValueError, "param 0 is listed twice in the state_dict's groups")
     ghost_state = copy.deepcopy(sd)
     ghost_state['state']['ghost'] = {}
     refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: no group of the state_dict lists it")
@@ -675,3 +678,42 @@ def test_lbfgs_history_goes_under_torchs_first_param_past_other_whole_model_call
     for m in (b, c):
         for p, q in zip(m.parameters(), a.parameters()):
             assert (p - q).abs().max() <= 1e-9 * q.abs().max()
+
+
+def test_a_hyper_torchs_class_has_no_entry_for_is_refused_unless_at_its_default() -> None:
+    """A hyper the torch class has no entry for is refused, but at its callback's default (a 1-element tensor by its
+    value); a scheduler's `initial_lr` is saved as torch's scheduler leaves it, even where a callback reads it."""
+    opt = cbopt.optim.RAdam(list(model().named_parameters()))  # cbopt.optim's RAdam has fastai's `beta`, default 0
+    for beta in (0.0, torch.tensor(0.), torch.tensor([0.])):
+        opt.set_hyper('beta', beta)
+        assert 'beta' not in opt.state_dict()['param_groups'][0]
+    for beta in (0.5, torch.tensor(0.5)):
+        opt.set_hyper('beta', beta)
+        with pytest.raises(ValueError) as e: opt.state_dict()
+        assert str(e.value) == (f"param group 0 (chain [{named_state_dict(opt)['param_groups'][0]['chain']}]) has the "
+                                f"hyper beta={beta!r}, which torch.optim.RAdam has no entry for: it would be lost")
+    def restarting_sgd(p, lr, initial_lr, **kwargs):  # reads the scheduler's base lr
+        p.data.add_(p.grad, alpha=-min(lr, initial_lr))
+    sgd = cbopt.Optimizer(list(model().named_parameters()), [restarting_sgd], lr=0.1)
+    torch.optim.lr_scheduler.StepLR(sgd, step_size=2)
+    theirs = torch.optim.SGD(list(model().named_parameters()), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(theirs, step_size=2)
+    assert same(sgd.state_dict(format=torch.optim.SGD)['param_groups'], theirs.state_dict()['param_groups'])
+
+
+def test_lbfgs_of_one_param_keeps_its_history_under_it() -> None:
+    "torch's LBFGS over a single param (Rosenbrock's point) keeps the history under it: so does cbopt's state_dict."
+    sds = []
+    for make in (torch.optim.LBFGS, cbopt.LBFGS):
+        xy = nn.Parameter(torch.tensor([-1.5, 2.0], dtype=torch.float64))
+        opt = make([xy], max_iter=3)
+        def closure():
+            opt.zero_grad()
+            loss = (1 - xy[0]) ** 2 + 100 * (xy[1] - xy[0] ** 2) ** 2
+            loss.backward()
+            return loss
+        opt.step(closure)
+        sds.append(opt.state_dict() if make is torch.optim.LBFGS else opt.state_dict(format=torch.optim.LBFGS))
+    theirs, ours = (sd['state'] for sd in sds)
+    assert list(ours) == list(theirs) == [0] and sorted(ours[0]) == sorted(k for k in theirs[0] if k != 'al')
+    assert ours[0]['n_iter'] == theirs[0]['n_iter'] and len(ours[0]['old_dirs']) == len(theirs[0]['old_dirs']) > 0

@@ -132,10 +132,10 @@ def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str)
     out, used = {}, set()
     for k, default in {**sig, **fixed}.items():
         canon = names.get(k)
-        parts = (canon if isinstance(canon, tuple) else (canon,)) if canon else ()
+        parts = canon if isinstance(canon, tuple) else (canon,)  # (None: no hyper of cbopt's)
         if k in fixed: out[k] = default
         elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
-        elif parts and all(c in hyper for c in parts):
+        elif all(c in hyper for c in parts):
             out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
             used.update(parts)
         elif k == 'foreach': out[k] = {'foreach': True, 'loop': False}.get(backend, default)
@@ -159,8 +159,9 @@ def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str)
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor): return False
-    return a == b
+    "Whether hyper value `a` is the default `b`: a 1-element tensor (a tensor lr or beta) by its value."
+    a, b = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in (a, b))
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
 def _copied(v: Any) -> Any:
