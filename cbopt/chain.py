@@ -41,6 +41,9 @@ them (`split_chain`). Its declarations:
   group listing it as `'<name>.<key>'` (`'skip_nonfinite.skipped_total'`), so state_dicts and DCP carry it;
 - `cb.param_state = dict(grad_sum=zeros)`: per-param tensors it keeps, in each param's state as `'<name>.<key>'`,
   passed to it as lists of TensorLists aligned with `params`;
+- `cb.flat_state = ('d', 'old_dirs')`: entries of its state that are flat vectors over the params of the group keeping
+  them (each param's real view flattened, `flat_size` elements, one after the other in the group's order; or lists of
+  such vectors: L-BFGS's history), so a checkpoint whose params come in another order loads them in this order;
 - `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
 - returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
   returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);
@@ -165,6 +168,16 @@ def is_model_cb(cb: Callable) -> bool:
 def model_key(cb: Callable, key: str) -> str:
     "Where a whole-model callback's entry `key` is kept (group entries, per-param state): `'<cb name>.<key>'`."
     return f'{cb_name(cb)}.{key}'
+
+
+def flat_model_keys(cbs: Iterable[Callable]) -> frozenset:
+    "The group entries of a chain's whole-model callbacks that are flat over the group's params (`cb.flat_state`)."
+    return frozenset(model_key(cb, k) for cb in cbs if is_model_cb(cb) for k in getattr(unwrap(cb), 'flat_state', ()))
+
+
+def flat_size(p: torch.Tensor) -> int:
+    "The elements `p` takes in a flat vector over params (`cb.flat_state`): its real view's (a complex param: 2 a number)."
+    return p.numel() * (2 if p.is_complex() else 1)
 
 
 def model_param_state(cb: Callable) -> dict:

@@ -139,6 +139,7 @@ lbfgs.defaults = dict(lr=1, max_iter=20, max_eval=None, tolerance_grad=1e-7, tol
                       line_search_fn=None)
 lbfgs.state = dict(func_evals=0, n_iter=0, d=None, t=None, old_dirs=[], old_stps=[], ro=[], H_diag=None,
                    prev_flat_grad=None, prev_loss=None)
+lbfgs.flat_state = ('d', 'old_dirs', 'old_stps', 'prev_flat_grad')  # over the params in order: loaded in this order
 # torch.optim.LBFGS keeps this state under its first param (and its scratch `al`, which cbopt does not keep)
 lbfgs.torch_model_state = {**{k: k for k in lbfgs.state}, 'al': None}
 lbfgs.torch_names = {k: k for k in lbfgs.defaults if k != 'lr'}

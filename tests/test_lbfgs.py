@@ -179,6 +179,70 @@ def test_resumes_bit_exact_from_a_weights_only_checkpoint(backend):
         assert func_evals(opt2) == func_evals(opt)
 
 
+FLAT = ('d', 'prev_flat_grad', 'old_dirs', 'old_stps')  # LBFGS's history vectors: flat over the params, in order
+
+
+def by_name(entries: dict, names: list, shapes: dict) -> dict:
+    "Each flat history vector (`lbfgs.<key>`, or a list of them) cut into its params' slices, by name."
+    def cut(v):
+        sizes = [shapes[n].numel() for n in names]
+        return dict(zip(names, v.split(sizes)))
+    return {k: [cut(v) for v in entries[f'lbfgs.{k}']] if k.startswith('old') else cut(entries[f'lbfgs.{k}'])
+            for k in FLAT}
+
+
+@pytest.mark.parametrize('saved_as', ['state_dict', 'named_state_dict', 'torch.optim.LBFGS'])
+@pytest.mark.parametrize('line_search_fn', SEARCHES)
+def test_resumes_from_a_checkpoint_of_params_in_another_order(line_search_fn, saved_as):
+    """A checkpoint loads by name: an LBFGS over the same named params listed in another order gets the flat history
+    (`d`, `prev_flat_grad`, `old_dirs`, `old_stps`: the params' slices concatenated in the saving optimizer's order)
+    in its own order, each param's slice bit for bit, and goes on as the uninterrupted run; from torch's LBFGS too."""
+    m = mlp()
+    if saved_as == 'torch.optim.LBFGS': opt = torch.optim.LBFGS(m.named_parameters(), **hypers(line_search_fn))
+    else: opt = cbopt.LBFGS(m.named_parameters(), **hypers(line_search_fn))
+    run(m, opt, 4)
+    sd = copy.deepcopy(opt.named_state_dict() if saved_as == 'named_state_dict' else opt.state_dict())
+    saved = copy.deepcopy(m)
+    run(m, opt, 6)
+    m2 = copy.deepcopy(saved)
+    named = list(m2.named_parameters())
+    opt2 = cbopt.LBFGS([named[i] for i in (2, 0, 3, 1)], **hypers(line_search_fn))
+    opt2.load_state_dict(sd)
+    shapes = dict(named)
+    theirs = sd['state'][0] if saved_as == 'torch.optim.LBFGS' else sd['param_groups'][0]
+    if saved_as == 'torch.optim.LBFGS': theirs = {f'lbfgs.{k}': v for k, v in theirs.items()}
+    want = by_name(theirs, [n for n, _ in m.named_parameters()], shapes)
+    got = by_name(opt2.param_groups[0], opt2.param_names, shapes)
+    for k in FLAT:
+        if k.startswith('old'):
+            assert len(got[k]) == len(want[k]) == hypers(line_search_fn)['history_size'], k
+            for g, w in zip(got[k], want[k]):
+                for n in w: assert torch.equal(g[n], w[n]), (k, n)
+        else:
+            for n in want[k]: assert torch.equal(got[k][n], want[k][n]), (k, n)
+    run(m2, opt2, 6)
+    assert_params_close(m2, m, rtol=1e-9)  # (dot products summed in another order: rounding apart)
+
+
+def test_a_history_of_a_group_of_other_params_is_refused():
+    """A checkpoint whose history is kept in a group of only some of the params (grouped otherwise) cannot be put in
+    this group's order: refused, naming the entry, and nothing changes."""
+    m = mlp()
+    opt = cbopt.LBFGS(m.named_parameters(), **hypers(None))
+    run(m, opt, 3)
+    sd = opt.state_dict()
+    g = sd['param_groups'][0]
+    sd['param_groups'] = [{**g, 'params': g['params'][:2], 'param_names': g['param_names'][:2]},
+                          {k: v for k, v in g.items() if not k.startswith('lbfgs.')} | {'params': g['params'][2:],
+                                                                                     'param_names': g['param_names'][2:]}]
+    named = list(m.named_parameters())
+    opt2 = cbopt.LBFGS(named[::-1], **hypers(None))
+    with pytest.raises(ValueError, match=r"state 'lbfgs.d' \(group 0\) is flat over the params of the state_dict's "
+                                         r"group 0, which are not this group's"):
+        opt2.load_state_dict(sd)
+    assert func_evals(opt2) == 0 and opt2.param_groups[0]['lbfgs.old_dirs'] == []
+
+
 def test_a_checkpoint_is_a_snapshot():
     "The saved history does not change as training goes on (torch's LBFGS shares its live lists with its state_dict)."
     m = mlp()
@@ -215,12 +279,17 @@ def test_errors_name_the_culprit_and_change_nothing():
     with pytest.raises(ValueError, match="Invalid history_size value: 0"): cbopt.LBFGS(ps, history_size=0)
     with pytest.raises(TypeError, match="'max_iter'"): cbopt.LBFGS(ps, max_iter=2.5)
     with pytest.raises(ValueError, match="Invalid learning rate: -1"): cbopt.LBFGS(ps, lr=-1)
-    # a history of other params (a smaller model with the same names): refused at the step, before anything changes
+    # a history of other params (a smaller model with the same names): refused by the load, which changes nothing
     small = MLP(hidden=3)
     o2 = cbopt.LBFGS(small.named_parameters(), **hypers(None))
     run(small, o2, 2)
     opt = cbopt.LBFGS(m.named_parameters())
-    opt.load_state_dict(o2.state_dict())
+    with pytest.raises(ValueError, match=r"state 'lbfgs.d' \(group 0\) has shape \(19,\) in the state_dict, but this "
+                                         r"group's params have 49 elements: it is the state of other params"):
+        opt.load_state_dict(o2.state_dict())
+    assert func_evals(opt) == 0 and opt.param_groups[0]['lbfgs.d'] is None
+    # and one set by hand, at the step, before anything changes
+    opt.param_groups[0].update({k: v for k, v in o2.param_groups[0].items() if k.startswith('lbfgs.')})
     with pytest.raises(ValueError, match=r"its state 'd' has shape \(19,\), but the params have 49 elements"):
         opt.step(closure(m, opt))
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before)) and func_evals(opt) == func_evals(o2)

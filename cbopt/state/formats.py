@@ -80,10 +80,12 @@ def _check_flags(i: int, g: Mapping, cbs) -> None:
 
 
 class Saved(NamedTuple):
-    "One param of a checkpoint: its name (None if the checkpoint has none), its state, and its group's index."
+    """One param of a checkpoint: its name (None if the checkpoint has none), its state, its group's index, and its
+    position in that group (None when the format does not say: fastai's)."""
     name: str | None
     state: dict
     group: int | None
+    at: int | None = None
 
 
 class Checkpoint(NamedTuple):
@@ -136,11 +138,11 @@ def _read_groups(sd: Mapping) -> Checkpoint:
         keys = list(g['params'])
         if not all(isinstance(k, (int, str)) and not isinstance(k, bool) for k in keys):
             raise ValueError(f"group {gi} of the state_dict lists params that are neither names (str) nor torch ids (int)")
-        for k, name in zip(keys, _group_names(g)):
+        for at, (k, name) in enumerate(zip(keys, _group_names(g))):
             if k in listed: raise ValueError(f"param {k!r} is listed twice in the state_dict's groups")
             listed.add(k)
             s = dict(state.get(k) or {})
-            params.append(Saved(name, s, gi))  # torch's: see torch_state
+            params.append(Saved(name, s, gi, at))  # torch's: see torch_state
         rest = {k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}  # torch's: see torch_hypers
         if 'cbs' in g: rest.setdefault('chain', chain_name(g['cbs']))
         groups.append(rest)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..chain import (chain_counters, chain_defaults, chain_name, chain_reads, init_chain_state, is_declared,
-                     model_param_state, param_chain, run_chain, transient_keys, unwrap)
+from ..chain import (chain_counters, chain_defaults, chain_name, chain_reads, flat_model_keys, flat_size, init_chain_state,
+                     is_declared, model_param_state, param_chain, run_chain, transient_keys, unwrap)
 from ..engine.runtime import user_stacklevel
 from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from .flags import split_flags
@@ -272,15 +272,48 @@ def _regrouped_hypers(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> l
     return out
 
 
-def _pooled_model_entries(ck: Checkpoint) -> dict:
-    "Whole-model callbacks' state of a checkpoint grouped otherwise: each entry is one callback's, wherever it was."
-    pool: dict = {}
+def _pooled_model_entries(ck: Checkpoint) -> tuple[dict, dict]:
+    """Whole-model callbacks' state of a checkpoint grouped otherwise: each entry is one callback's, wherever it was;
+    and the checkpoint group each came from."""
+    pool, source = {}, {}
     for i, g in enumerate(ck.groups):
         for k, v in model_entries(g).items():
             if k in pool: raise ValueError(f"whole-model callback state {k!r} is in several groups of the state_dict, "
                                            "which groups its params otherwise than this optimizer: cannot tell whose it is")
-            pool[k] = v
-    return pool
+            pool[k], source[k] = v, i
+    return pool, source
+
+
+def _in_our_order(where: str, entries: dict, group: Mapping, saved: list[Saved], ck: Checkpoint,
+                  source: Mapping[str, int]) -> dict:
+    """`entries` (whole-model state loaded into `group`) with those flat over the group's params (`cb.flat_state`:
+    L-BFGS's history, each param's slice after the other) put from the order of the checkpoint group they were saved in
+    (`source[key]`) into this group's: `saved` is the checkpoint's param for each of the group's params, in order. By
+    position (no names) the orders are the same. Refused, naming the entry, when its length is not this group's
+    params' or its checkpoint group held other params: a history of other params must not load as this one's."""
+    sizes = [flat_size(p) for p in group['params']]
+    out = dict(entries)
+    for key in sorted(flat_model_keys(group['cbs']) & set(entries)):
+        value = entries[key]
+        if value is None: continue
+        vectors = list(value) if isinstance(value, (list, tuple)) else [value]
+        for v in vectors:
+            if not isinstance(v, torch.Tensor) or v.shape != (sum(sizes),):
+                raise ValueError(f"whole-model callback state {key!r} ({where}) has shape "
+                                 f"{tuple(getattr(v, 'shape', ()))} in the state_dict, but this group's params have "
+                                 f"{sum(sizes)} elements: it is the state of other params")
+        at = [s.at for s in saved]
+        if None in at or at == sorted(at): continue  # the same order
+        theirs = [s for s in ck.params if s.group == source[key]]
+        if any(s.group != source[key] for s in saved) or sorted(at) != list(range(len(theirs))):
+            raise ValueError(f"whole-model callback state {key!r} ({where}) is flat over the params of the state_dict's "
+                             f"group {source[key]}, which are not this group's: it cannot be put in their order")
+        order = sorted(range(len(at)), key=at.__getitem__)  # which of ours is the checkpoint's 1st, 2nd... param
+        def ours(v: torch.Tensor) -> torch.Tensor:
+            pieces = dict(zip(order, v.split([sizes[k] for k in order])))
+            return torch.cat([pieces[k] for k in range(len(sizes))])
+        out[key] = type(value)(map(ours, vectors)) if isinstance(value, (list, tuple)) else ours(value)
+    return out
 
 
 def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
@@ -346,13 +379,20 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
         for key, v in h.items():
             if key != 'initial_lr': check_hyper(key, v, i)  # a corrupt checkpoint must not load a NaN lr
     if ck.origin == 'cbopt' or any(model_entries(g) for g in ck.groups):  # torch's and fastai's have none: ours stay
+        starts = [0]
+        for g in opt.param_groups: starts.append(starts[-1] + len(g['params']))
+        saved = [matched[a:b] for a, b in zip(starts, starts[1:])]  # the checkpoint's params of each of our groups
         if aligned:
             for i, (h, g, mine) in enumerate(zip(hypers, ck.groups, opt.param_groups)):
-                h.update(_model_entries(f"group {i}", model_entries(g), model_entries(mine)))
+                loaded = _model_entries(f"group {i}", model_entries(g), model_entries(mine))
+                h.update(_in_our_order(f"group {i}", loaded, mine, saved[i], ck, dict.fromkeys(loaded, i)))
         else:
             ours = {key: v for g in opt.param_groups for key, v in model_entries(g).items()}
-            loaded = _model_entries("any group", _pooled_model_entries(ck), ours)
-            for h, mine in zip(hypers, opt.param_groups): h.update({key: loaded[key] for key in model_entries(mine)})
+            pool, source = _pooled_model_entries(ck)
+            loaded = _model_entries("any group", pool, ours)
+            for i, (h, mine) in enumerate(zip(hypers, opt.param_groups)):
+                h.update(_in_our_order(f"group {i}", {key: loaded[key] for key in model_entries(mine)}, mine, saved[i],
+                                       ck, source))
     return new_state, hypers
 
 
