@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                      'tests/test_bad_input.py']),
     'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
     'engine': (['cbopt/engine/*.py'], ['tests/test_engine_units.py', 'tests/test_chain.py', 'tests/test_backends.py',
-                                       'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py']),
+                                       'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py',
+                                       # torch's own kernels (`kernels.py`): its grad_scale / in-place clip paths
+                                       'tests/test_torch_kernels.py', 'tests/test_grad_scaler.py',
+                                       'tests/test_clip_in_place.py']),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
@@ -61,7 +65,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 ONE_BACKEND = ['-k', 'not fused and not foreach and not auto']
 PYTEST_ARGS: dict[str, list[str]] = {'state': ['-k', f'{ONE_BACKEND[1]} and not resume_is_exact'],
                                      'hypers': ONE_BACKEND, 'params': ONE_BACKEND,
-                                     'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and not fused']}
+                                     # (the kernel files run torch's fused kernels, which compile nothing: their
+                                     # `fused` cases stay)
+                                     'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and '
+                                                '(not fused or test_torch_kernels or test_grad_scaler or '
+                                                'test_clip_in_place)']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
                'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
@@ -136,7 +144,7 @@ def write_config(work: Path, sources: list[str], tests: list[str], not_mutated: 
 # compiles in any real run falls back to foreach, and a test counting graphs fails the pass. That pass only maps tests
 # to functions; a mutant's own run (where the trampoline only reads its name, which dynamo traces) is untouched.
 STATS_HOOK = """
-import pytest as _pytest
+import json as _json, pytest as _pytest
 
 
 @_pytest.hookimpl(hookwrapper=True)
@@ -144,6 +152,17 @@ def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if _os.environ.get('MUTANT_UNDER_TEST') == 'stats' and report.failed:
         report.outcome = 'passed'  # the test ran, so the functions it reached are recorded: enough for this pass
+
+
+@_pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    # a mutant's tests fastest first, by the durations of mutmut's first pass: its run stops at the first failure
+    # (`-x`), so a killed mutant costs its fastest failing test, not the files' order (a survivor runs them all anyway)
+    if _os.environ.get('MUTANT_UNDER_TEST', 'stats') == 'stats': return
+    try:
+        with open('mutmut-stats.json') as f: durations = _json.load(f)['duration_by_test']
+    except (OSError, ValueError, KeyError): return
+    items.sort(key=lambda item: durations.get(item.nodeid, float('inf')))
 """
 
 
@@ -240,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--only', nargs='+', metavar='PATTERN', default=[],
                     help="run only the mutants matching these fnmatch patterns (mutmut's names, e.g. "
                          "'cbopt.engine.auto.*', or 'cbopt.engine.x*' for engine/__init__.py): whole files or functions")
+    ap.add_argument('--sample', type=int, metavar='N',
+                    help='run only N unchecked mutants drawn at random (those matching --only, if given): an estimate '
+                         'of the score where the whole module would take hours')
+    ap.add_argument('--seed', type=int, default=0, help="--sample's random seed (default 0)")
     ap.add_argument('--show', action='store_true', help="print every survivor's diff")
     ap.add_argument('--report-only', action='store_true', help='print the last run\'s results, run nothing')
     args = ap.parse_args(argv)
@@ -258,8 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         # (a 'no tests' mutant may have tests now that every test is mapped again)
         names = [k for k, c in results(work).items() if status(c) in ('survived', 'no tests')] if args.survivors else []
         # (mutmut reruns every mutant it is given by name, checked or not: give it only the unchecked ones)
-        names += [k for k, c in results(work).items() if c is None and any(fnmatch(k, pat) for pat in args.only)]
-        if args.only and not names:
+        unchecked = [k for k, c in results(work).items() if c is None
+                     and (any(fnmatch(k, pat) for pat in args.only) or not args.only and args.sample)]
+        if args.sample:
+            unchecked = random.Random(args.seed).sample(sorted(unchecked), min(args.sample, len(unchecked)))
+            drawn = work / 'sampled.json'  # every draw so far, for the report's estimate
+            drawn.write_text(json.dumps(sorted({*unchecked, *(json.loads(drawn.read_text()) if drawn.exists() else [])})))
+        names += unchecked
+        if (args.only or args.sample) and not names:
             print('every mutant matching --only has been checked', file=sys.stderr)
             return report(args, work, env, mutmut)
         rc = subprocess.run([*mutmut, 'run', '--max-children', str(args.max_children), *names],
@@ -286,6 +315,12 @@ def report(args, work: Path, env: dict, mutmut: list[str]) -> int:
           f'survived {total["survived"]}, no tests {total["no tests"]}, '
           f'other {len(codes) - ran - total["no tests"]}')
     if ran: print(f'{args.module}: score {caught}/{ran} = {100 * caught / ran:.1f}% (timeouts count as killed)')
+    if (work / 'sampled.json').exists():  # the mutants drawn at random by --sample: an unbiased estimate
+        drawn = Counter(status(codes.get(k)) for k in json.loads((work / 'sampled.json').read_text()))
+        ran_s = drawn['killed'] + drawn['timeout'] + drawn['survived']
+        if ran_s: print(f'{args.module}: of {sum(drawn.values())} mutants drawn at random (--sample), '
+                        f'{ran_s} ran: score {ran_s - drawn["survived"]}/{ran_s} = '
+                        f'{100 * (ran_s - drawn["survived"]) / ran_s:.1f}%; {dict(sorted(drawn.items()))}')
     survivors = sorted(k for k, c in codes.items() if status(c) in ('survived', 'no tests'))
     for k in survivors:
         print(f'{status(codes[k])}: {k}')
