@@ -680,7 +680,7 @@ def test_lbfgs_history_goes_under_torchs_first_param_past_other_whole_model_call
             assert (p - q).abs().max() <= 1e-9 * q.abs().max()
 
 
-def test_a_hyper_torchs_class_has_no_entry_for_is_refused_unless_at_its_default() -> None:
+def test_a_hyper_torchs_class_has_no_entry_for_is_rejected_unless_at_its_default() -> None:
     """A hyper the torch class has no entry for is refused, but at its callback's default (a 1-element tensor by its
     value); a scheduler's `initial_lr` is saved as torch's scheduler leaves it, even where a callback reads it."""
     opt = cbopt.optim.RAdam(list(model().named_parameters()))  # cbopt.optim's RAdam has fastai's `beta`, default 0
