@@ -202,6 +202,7 @@ def test_state_value_errors() -> None:
          "state 'sqr_avg' of param '1.bias' has dtype torch.int32 in the state_dict, torch.float32 here"),
         ('sqr_avg', torch.zeros(1, dtype=torch.complex64), TypeError,
          "state 'sqr_avg' of param '1.bias' has dtype torch.complex64 in the state_dict, torch.float32 here"),
+        ('sqr_avg', 0.5, TypeError, "state 'sqr_avg' of param '1.bias' is a float in the state_dict, a Tensor here"),
         ('step', 'two', TypeError, "state 'step' of param '1.bias' is a str in the state_dict, a number here"),
         ('step', torch.ones(2), TypeError, "state 'step' of param '1.bias' is a Tensor in the state_dict, a number here"),
     ]
@@ -209,6 +210,40 @@ def test_state_value_errors() -> None:
         bad = copy.deepcopy(sd)
         bad['state']['1.bias'][key] = value
         refused(opt, bad, exc, message)
+
+
+def test_a_number_saved_for_a_0d_tensor_state_loads_as_that_tensor() -> None:
+    """Schedule-free's running sums are 0-d float64 tensors (older checkpoints saved Python floats): a number loads as
+    such a tensor, of this optimizer's dtype; a bool is no number there. A 1-element state of another shape takes no
+    number (`sqr_avg` of a (1,) bias in test_state_value_errors)."""
+    def schedule_free() -> cbopt.Optimizer:
+        opt = cbopt.ScheduleFreeSGD(list(model().named_parameters()), lr=0.1)
+        opt.train()
+        for i in range(2):
+            grads(opt.params, i)
+            opt.step()
+        return opt
+    src, opt = schedule_free(), schedule_free()
+    sd = src.named_state_dict()
+    sums = {n: s['weight_sum'].item() for n, s in sd['state'].items()}
+    for s, v in zip(sd['state'].values(), sums.values()): s['weight_sum'] = v
+    flagged = copy.deepcopy(sd)
+    flagged['state']['0.bias']['weight_sum'] = True
+    refused(opt, flagged, TypeError, "state 'weight_sum' of param '0.bias' is a bool in the state_dict, a Tensor here")
+    opt.load_state_dict(sd)
+    for n, p in opt.named_params().items():
+        got = opt.state[p]['weight_sum']
+        assert torch.is_tensor(got) and got.shape == () and got.dtype == torch.float64 and got.item() == sums[n]
+
+
+def test_a_regrouped_checkpoint_is_checked_param_by_param_against_its_chains() -> None:
+    """A checkpoint grouped otherwise, whose groups ran different chains: each param is checked against the chain
+    its own checkpoint group ran, and the first saved by another chain than its group's here is named."""
+    sd = adam(groups=True).named_state_dict()
+    sd['param_groups'][1]['chain'] = cbopt.Lamb(list(model().named_parameters())).named_state_dict()['param_groups'][0]['chain']
+    opt = adam()  # one group of the four params: '1.weight' and '1.bias' come from the Lamb group
+    refused(opt, sd, ValueError, f"param '1.weight' (group 0) was saved by the chain [{sd['param_groups'][1]['chain']}], "
+                                 f"but runs [{sd['param_groups'][0]['chain']}] here: its state belongs to another algorithm")
 
 
 def test_a_transposed_state_of_as_many_elements_is_rejected() -> None:
