@@ -103,6 +103,25 @@ def test_group_errors() -> None:
     refused(opt, ghost_state, KeyError, "unknown param 'ghost' in the state_dict's state: no group of the state_dict lists it")
 
 
+def test_name_errors_name_the_param_and_this_optimizers_first_four() -> None:
+    """A name the checkpoint gives twice once wrapper prefixes are removed is refused; an unknown one is named with
+    this optimizer's first four names, and '...' when it has more."""
+    opt = adam()
+    sd = opt.named_state_dict()
+    sd['param_groups'][0]['params'][1] = '_orig_mod.0.weight'  # torch.compile's prefix: '0.weight' again
+    refused(opt, sd, ValueError, "param '0.weight' appears twice in the state_dict")
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1, bias=False))  # 5 params: one more than shown
+    opt = cbopt.Adam(list(big.named_parameters()), lr=0.01)
+    grads(opt.params, 0)
+    opt.step()
+    sd = opt.named_state_dict()
+    sd['param_groups'][0]['params'][4] = 'ghost'
+    sd['state']['ghost'] = sd['state'].pop('2.weight')
+    refused(opt, sd, KeyError, "unknown param 'ghost' in the state_dict: this optimizer has no such param (it has "
+                               "'0.weight', '0.bias', '1.weight', '1.bias', ...)")
+
+
 def test_a_regrouped_checkpoint_gives_each_group_the_hypers_of_its_params_groups() -> None:
     """Groups in another order and of other sizes than the checkpoint's: each group takes the hypers of the checkpoint
     group its params were in, whatever the order of the entries in the checkpoint's group dicts (a dict's order means
