@@ -181,7 +181,7 @@ def torch_model_state(first: dict, cbs) -> dict:
     for cb in cbs:
         names = getattr(unwrap(cb), 'torch_model_state', None)
         if not is_model_cb(cb) or not names: continue
-        declared = dict(getattr(unwrap(cb), 'state', None) or {})
+        declared = unwrap(cb).state  # (its initial values: a callback with torch_model_state declares its state)
         for theirs, ours in names.items():
             v = first.pop(theirs, None)
             if ours is not None: out[model_key(cb, ours)] = declared.get(ours) if v is None else v
