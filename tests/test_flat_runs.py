@@ -1,0 +1,98 @@
+"""The compiled elementwise chain's per-step inputs (`cbopt/engine/compiled.py`: `flat_inputs`, `Pack`): flat aliases
+of params and state kept between steps and made again when a tensor is replaced, small params packed into one flat
+param, grads never held after a step. Checked against the loop backend over many steps, with params and state
+replaced midway as users and checkpoints replace them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import cbopt
+from cbopt.chain import zeros
+from cbopt.engine import compiled
+from cbopt.engine.runtime import runtime
+
+BIG = (130, 130)  # more than PACK_NUMEL elements: stepped alone
+SHAPES = [(5,), BIG, (3, 4), (7,), (2, 3, 4), (200, 90), (6,), (9,)]
+
+
+def rebinding_lion(p, lr, mom, sqr_mom, grad_avg=None, **kwargs):
+    "Lion whose average is a new tensor each step (out of place): the rebound entry goes back to each param."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.data)
+    p.data.add_(grad_avg.mul(mom).add(p.grad, alpha=1 - mom).sign(), alpha=-lr)
+    return {'grad_avg': grad_avg * sqr_mom + p.grad * (1 - sqr_mom)}
+rebinding_lion.state = dict(grad_avg=zeros)
+
+
+def _make(kind: str, ps: list, backend) -> cbopt.Optimizer:
+    if kind == 'lion': return cbopt.Lion(ps, lr=0.01, wd=0.1, backend=backend)
+    return cbopt.Optimizer(ps, [cbopt.weight_decay, rebinding_lion], lr=0.01, wd=0.1, mom=0.9, sqr_mom=0.99,
+                           backend=backend)
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters['stats']['unique_graphs']
+
+
+@pytest.mark.parametrize('kind', ['lion', 'rebinding'])
+def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None:
+    """12 steps of the fused backend (runs of 4) against the loop, fresh grads every step; after step 4 a big and a
+    small param get new memory (`p.data = p.data.clone()`), after step 8 the state is saved and loaded back (new state
+    tensors): the kept aliases follow (the params and state equal the loop's), one graph is compiled, the small params
+    step packed, an entry updated in place stays the same tensor, and no kept alias holds a grad after a step."""
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(12)]
+    torch._dynamo.reset()
+    before = _graphs()
+    runs = {}
+    for backend in (cbopt.Backend('fused', compiler='eager', compile_chunk=4), 'loop'):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = _make(kind, ps, backend)
+        for step, gs in enumerate(grads):
+            for p, gr in zip(ps, gs): p.grad = gr.clone()
+            opt.step()
+            if step == 3:
+                for i in (1, 3): ps[i].data = ps[i].data.clone()
+            if step == 7: opt.load_state_dict(opt.state_dict())
+            if step == 9 and kind == 'lion' and backend != 'loop':
+                avgs = [opt.state[p]['grad_avg'] for p in ps]
+        if backend != 'loop':
+            kept = runtime(opt).flat_aliases
+            assert _graphs() - before == 1
+            (aliases,) = kept.values()
+            small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= compiled.PACK_NUMEL]
+            assert aliases['pack'].members == small and len(small) == 6
+            assert all(v[0].grad is None for k, v in aliases.items() if k != 'pack')
+            assert aliases['pack'].param.grad is None
+            if kind == 'lion': assert all(opt.state[p]['grad_avg'] is a for p, a in zip(ps, avgs))
+            else:  # each param its own rebound entry, of its shape, in memory of its own
+                ptrs = {opt.state[p]['grad_avg'].untyped_storage().data_ptr() for p in ps}
+                assert len(ptrs) == len(ps)
+                assert [tuple(opt.state[p]['grad_avg'].shape) for p in ps] == SHAPES
+        runs[backend if backend == 'loop' else 'fused'] = ps, opt
+    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
+    for a, b in zip(fused, loop):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+        torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
+                                   atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
+
+
+def test_a_step_holds_no_grad_and_a_replaced_param_is_let_go() -> None:
+    """After a fused step and `p.grad = None` (zero_grad), the grads' memory is freed: the step's flat aliases of them
+    are dropped. A param given new memory has its old memory freed at the next step (its kept alias is made again)."""
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = cbopt.Lion(ps, lr=0.01, backend=cbopt.Backend('fused', compiler='eager', compile_chunk=4))
+    for _ in range(3):
+        for p in ps: p.grad = torch.randn_like(p)
+        opt.step()
+    grads = [StorageWeakRef(p.grad.untyped_storage()) for p in ps]
+    opt.zero_grad(set_to_none=True)
+    assert all(w.expired() for w in grads)
+    old = StorageWeakRef(ps[1].untyped_storage())
+    ps[1].data = ps[1].data.clone()
+    for p in ps: p.grad = torch.randn_like(p)
+    before = ps[1].detach().clone()
+    opt.step()
+    assert old.expired() and not torch.equal(ps[1], before)  # stepped in its new memory
