@@ -246,16 +246,13 @@ def padding(p: torch.Tensor, tstate: Mapping, n: int) -> tuple[list, list]:
     return params, tstates
 
 
-def _contiguous(p: torch.Tensor, st: Mapping) -> bool:
-    "Whether `p`, its grad and its param-shaped state tensors are contiguous: a flat alias of each is all its memory."
-    return (p.is_contiguous() and p.grad.is_contiguous()
-            and all(v.is_contiguous() for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape))
-
-
 def can_flatten(b: Bucket) -> bool:
     """Whether `b`'s chain may step flat aliases of its params: it is elementwise (declared), and every param, grad and
     param-shaped state tensor is contiguous, so that a flat alias is all of its memory."""
-    return chain_scope(b.cbs) == 'element' and all(_contiguous(p, st) for p, st in zip(b.params, b.states))
+    if chain_scope(b.cbs) != 'element': return False
+    return all(p.is_contiguous() and p.grad.is_contiguous()
+               and all(v.is_contiguous() for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+               for p, st in zip(b.params, b.states))
 
 
 def flat_alias(t: torch.Tensor) -> torch.Tensor:
@@ -319,8 +316,8 @@ def _kept_alias(old: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
     return old if old is not None and _same_memory(old, t) else flat_alias(t)
 
 
-def flat_inputs(b: Bucket, kept: dict) -> tuple[list, list, list, Pack | None] | None:
-    """`b`'s params as the compiled elementwise chain steps them, or None if one is not contiguous (`can_flatten`):
+def flat_inputs(b: Bucket, kept: dict) -> tuple[list, list, list, Pack | None]:
+    """`b`'s params as the compiled elementwise chain steps them (a bucket that `can_flatten`):
     `(params, tstates, members, pack)`, the flat params (flat aliases, new tensors that do not require grad whatever
     the params do, whose `.grad` is a flat alias of the grad), their tensor state (param-shaped entries as flat
     aliases), the bucket indices each stands for, and the `Pack` of the small params, if any (first). Making the
@@ -331,7 +328,6 @@ def flat_inputs(b: Bucket, kept: dict) -> tuple[list, list, list, Pack | None] |
     every step, dropped after it (`release_grads`): zero_grad frees them, and a kept alias would keep them alive."""
     qs, tstates, now = [], [], {}
     for p, st in zip(b.params, b.states):
-        if not _contiguous(p, st): return None
         q, old = kept.get(id(p), (None, {}))
         q = _kept_alias(q, p)
         ts = {k: _kept_alias(old.get(k), v) if v.shape == p.shape else v
@@ -381,13 +377,13 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`; a shard's local tensors step by shape)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     kept = runtime(opt).flat_aliases.setdefault(b.layout, {})
-    flat = None if on_shards or chain_scope(b.cbs) != 'element' else flat_inputs(b, kept)
-    try: _compiled_runs(opt, b, hyper, pystate, flat)
+    flat = flat_inputs(b, kept) if not on_shards and can_flatten(b) else None
+    try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards)
     finally:
         if flat is not None: release_grads(flat[0])  # (the pack's param too)
 
 
-def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: tuple | None) -> None:
+def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: tuple | None, on_shards: bool) -> None:
     options = opt.backend_options
     run = options.compile_chunk  # flat: every run is padded to this length, so all call one graph
     if flat:
@@ -398,7 +394,6 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: tuple | 
         chunks = shape_chunks([p.shape for p in b.params], run)
     hyper = dict(hyper)
     fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for every run)
-    on_shards = is_dtensor(b.params[0])
     with torch._dynamo.config.patch(force_parameter_static_shapes=False, assume_static_by_default=False), \
             torch.fx.experimental._config.patch(use_duck_shape=not flat):  # flat: every size its own symbol
         for j, idx in enumerate(chunks):
