@@ -292,6 +292,9 @@ def _in_our_order(where: str, entries: dict, group: Mapping, saved: list[Saved],
     position (no names) the orders are the same. Refused, naming the entry, when its length is not this group's
     params' or its checkpoint group held other params: a history of other params must not load as this one's."""
     sizes = [flat_size(p) for p in group['params']]
+    at = [s.at for s in saved]
+    # which of ours is the checkpoint's 1st, 2nd... param (None: the format does not say, fastai's)
+    order = sorted(range(len(at)), key=at.__getitem__) if None not in at else None
     out = dict(entries)
     for key in sorted(flat_model_keys(group['cbs']) & set(entries)):
         value = entries[key]
@@ -302,13 +305,11 @@ def _in_our_order(where: str, entries: dict, group: Mapping, saved: list[Saved],
                 raise ValueError(f"whole-model callback state {key!r} ({where}) has shape "
                                  f"{tuple(getattr(v, 'shape', ()))} in the state_dict, but this group's params have "
                                  f"{sum(sizes)} elements: it is the state of other params")
-        at = [s.at for s in saved]
-        if None in at or at == sorted(at): continue  # the same order
+        if order is None or at == sorted(at): continue  # the same order
         theirs = [s for s in ck.params if s.group == source[key]]
         if any(s.group != source[key] for s in saved) or sorted(at) != list(range(len(theirs))):
             raise ValueError(f"whole-model callback state {key!r} ({where}) is flat over the params of the state_dict's "
                              f"group {source[key]}, which are not this group's: it cannot be put in their order")
-        order = sorted(range(len(at)), key=at.__getitem__)  # which of ours is the checkpoint's 1st, 2nd... param
         def ours(v: torch.Tensor) -> torch.Tensor:
             pieces = dict(zip(order, v.split([sizes[k] for k in order])))
             return torch.cat([pieces[k] for k in range(len(sizes))])
