@@ -19,7 +19,7 @@ from fastcore.foundation import L
 
 from .chain import chain_name, chain_reads
 
-__all__ = ['ParamGroup', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
+__all__ = ['ParamGroup', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
@@ -92,8 +92,16 @@ def _plain(v: Any) -> Any:
     return v
 
 
+GROUP_ALIASES = {**ALIASES, 'cbs': 'chain'}  # keys a ParamGroup answers to but holds under another: torch's names of
+# hypers, and `cbs`, the group's callbacks, held as `chain` (the entry by which a checkpoint names them)
+
+
 class ParamGroup(dict):
-    """A torch param group whose aliased keys (`momentum` and `mom`) always hold the same value.
+    """A torch param group whose aliased keys (`GROUP_ALIASES`: `momentum` for `mom`, `cbs` for `chain`, the group's
+    callbacks) are names of one entry: reading, writing, `in`, `get`, `pop` and `del` of an alias go to the entry it
+    names, and the group holds, iterates and copies that entry alone. So a live group has the entries its checkpoint
+    keeps (`chain` there is the chain's name), which is how torch's DCP rebuilds a group to load
+    (`flatten_optimizer_state_dict`: from the live group's entries).
     Writes are not validated (`check_hyper` runs where hypers are given: construction, `set_hyper`, new groups):
     LR schedulers write `group['lr']` directly every step, as torch's do (torch never validates those writes), and
     `load_state_dict` commits through here after checking everything, at a point where nothing may fail."""
@@ -101,34 +109,24 @@ class ParamGroup(dict):
         if k == 'param_names' and 'params' in self and len(v) != len(self['params']):
             return  # names of other params: ZeroRedundancyOptimizer copies rank 0's group entries into every rank's
         v = _plain(v)
-        canon = ALIASES.get(k, k)
-        if k != canon and v and 'cbs' in self and canon not in chain_reads(self['cbs']):
-            raise ValueError(f"{k}={v} set on a param group whose chain [{chain_name(self['cbs'])}] has no {canon!r} "
+        canon = GROUP_ALIASES.get(k, k)
+        if k in ALIASES and v and 'chain' in self and canon not in chain_reads(self['chain']):
+            raise ValueError(f"{k}={v} set on a param group whose chain [{chain_name(self['chain'])}] has no {canon!r} "
                              f"(e.g. cbopt.SGD(mom=0) keeps no momentum buffer): it would be ignored. Build the optimizer "
                              f"with a nonzero {canon!r}, or do not schedule it (OneCycleLR(cycle_momentum=False))")
         super().__setitem__(canon, v)
-        for alias, c in ALIASES.items():
-            if c == canon: super().__setitem__(alias, v)
+
+    def __getitem__(self, k): return super().__getitem__(GROUP_ALIASES.get(k, k))
+    def __contains__(self, k) -> bool: return super().__contains__(GROUP_ALIASES.get(k, k))
+    def get(self, k, default=None): return super().get(GROUP_ALIASES.get(k, k), default)
+    def __delitem__(self, k): super().__delitem__(GROUP_ALIASES.get(k, k))
+    def pop(self, k, *default): return super().pop(GROUP_ALIASES.get(k, k), *default)
 
     def update(self, *args, **kw):
         for k, v in dict(*args, **kw).items(): self[k] = v
 
-    def __delitem__(self, k):
-        "Deleting a key deletes the keys tied to it (`del g['momentum']` deletes `mom` too): they stay one value."
-        if k not in self: raise KeyError(k)
-        canon = ALIASES.get(k, k)
-        for key in (canon, *(a for a, c in ALIASES.items() if c == canon)): super().pop(key, None)
-
-    def pop(self, k, *default):
-        if k not in self:
-            if default: return default[0]
-            raise KeyError(k)
-        v = self[k]
-        del self[k]
-        return v
-
     def setdefault(self, k, v=None):
-        if ALIASES.get(k, k) not in self: self[k] = v
+        if k not in self: self[k] = v
         return self[k]
 
     def __reduce__(self): return (ParamGroup, (dict(self),))

@@ -102,10 +102,11 @@ class Optimizer(torch.optim.Optimizer):
         for hook in on_create: hook(self)
 
     def _with_chain(self, group: Mapping) -> ParamGroup:
-        """`group` as a ParamGroup holding its chain under `cbs`: its own, or the optimizer's `cbs` itself (so a callback
-        appended to `opt.cbs` later, fastai-style, runs in every group without a chain of its own)."""
-        g = ParamGroup(group)
-        own = group.get('cbs')
+        """`group` as a ParamGroup holding its chain (as `chain`, also read as `cbs`, the name group dicts give it by):
+        its own, or the optimizer's `cbs` itself (so a callback appended to `opt.cbs` later, fastai-style, runs in every
+        group without a chain of its own)."""
+        g = ParamGroup(group)  # (a copy of a live group has `chain`, a group dict `cbs`: either is the chain here)
+        own = g.get('cbs')
         g['cbs'] = self.cbs if own is None or own is self.cbs else L(_as_chain(own))
         return g
 

@@ -283,16 +283,17 @@ def make_dcp_opt(model) -> cbopt.Optimizer:
     return cbopt.Accumulate(warm, every=3)
 
 
-def dcp_save_and_load(model, opt, path: str, load: bool) -> None:
+def dcp_save_and_load(model, opt, path: str, load: bool, flat: bool = False) -> None:
     """torch's recipe: `get_state_dict` (keyed by the model's names), then `dcp.save` to `path`; or `dcp.load` from
-    `path` into that state_dict, then `set_state_dict`."""
+    `path` into that state_dict, then `set_state_dict`. `flat`: with `flatten_optimizer_state_dict=True` (torchtitan's)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(model, opt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    msd, osd = get_state_dict(model, opt, options=options)
     sd = {'model': msd, 'optim': osd}
     if not load: return dcp.save(sd, checkpoint_id=path)
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
 
 
 def perturbed_model() -> nn.Module:
@@ -325,14 +326,14 @@ def whole_params(model: nn.Module) -> dict:
     return {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int) -> dict:
+def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int, flat: bool = False) -> dict:
     """The model under DDP or FSDP2 (`kind`) trains `steps` steps, saves a DCP checkpoint to `path` (each rank its
-    share), then trains `more` steps on."""
+    share; `flat`: flattened), then trains `more` steps on."""
     model = wrapped(kind, make_model())
     opt = make_dcp_opt(model)
     train(model, opt, steps, rank, world)
     saved = {'params': whole_params(model), 'state': whole(opt.named_state_dict())}
-    dcp_save_and_load(model, opt, path, load=False)
+    dcp_save_and_load(model, opt, path, load=False, flat=flat)
     train(model, opt, more, rank, world, start=steps)
     return {**saved, 'final': whole_params(model)}
 

@@ -336,7 +336,7 @@ def snapshot(e: Env) -> dict:
     "Everything a call may change: params (values, requires_grad), names, groups' entries, state, freezing."
     opt, where = e.opt, {id(p): n for n, p in e.model.named_parameters()}
     return {'params': [(n, p.detach().clone(), p.requires_grad) for n, p in e.model.named_parameters()],
-            'groups': [({k: v for k, v in g.items() if k not in ('params', 'cbs')}, [where.get(id(p), id(p)) for p in g['params']])
+            'groups': [({k: v for k, v in g.items() if k not in ('params', 'chain')}, [where.get(id(p), id(p)) for p in g['params']])
                        for g in opt.param_groups],
             'state': {n: copy.deepcopy(dict(opt.state[p])) for n, p in opt.named_params().items() if p in opt.state},
             'frozen_idx': opt.frozen_idx, 'defaults': dict(opt.defaults)}

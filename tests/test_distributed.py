@@ -136,19 +136,20 @@ def continued(state: dict, weights: dict, steps: int, start: int) -> dict:
     return D.params(model)
 
 
-@pytest.mark.parametrize('kind', ['ddp', 'fsdp'])
+@pytest.mark.parametrize('kind, flat', [('ddp', False), ('fsdp', False), ('fsdp', True)])
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP without a process group: one process
-def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path, kind):
-    """get_state_dict + dcp.save on 2 ranks (DDP: each rank holds everything; FSDP2: each its shards), dcp.load +
-    set_state_dict in 1 process: the state is loaded bit for bit (the warmup and accumulation counts and the grad sums
-    of the micro-batches so far included), and the run goes on as the uninterrupted one."""
-    ranks = D.spawn(D.dcp_save, kind, str(tmp_path), DCP_STEPS, DCP_MORE)
+def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path, kind, flat):
+    """get_state_dict + dcp.save on 2 ranks (DDP: each rank holds everything; FSDP2: each its shards; `flat`: with
+    `flatten_optimizer_state_dict=True`, as torchtitan saves), dcp.load + set_state_dict in 1 process: the state is
+    loaded bit for bit (the warmup and accumulation counts and the grad sums of the micro-batches so far included), and
+    the run goes on as the uninterrupted one."""
+    ranks = D.spawn(D.dcp_save, kind, str(tmp_path), DCP_STEPS, DCP_MORE, flat)
     saved = ranks[0]
     assert saved['state']['param_groups'][0]['accumulate_grads.micro_step'] == 2
     assert saved['state']['param_groups'][0]['warmup.iter'] == 1  # one real step so far (after 3 micro-batches)
     model = D.perturbed_model()
     opt = D.make_dcp_opt(model)
-    D.dcp_save_and_load(model, opt, str(tmp_path), load=True)
+    D.dcp_save_and_load(model, opt, str(tmp_path), load=True, flat=flat)
     assert_same_state(opt.named_state_dict(), saved['state'], 'loaded state')
     for n, p in D.params(model).items(): assert torch.equal(p, saved['params'][n]), n
     D.train(model, opt, DCP_MORE, start=DCP_STEPS)

@@ -111,6 +111,20 @@ def test_setdefault_sees_the_alias() -> None:
 
 
 
+def test_an_alias_is_a_name_of_one_entry_not_an_entry() -> None:
+    """`momentum` (torch's name of `mom`) and `cbs` (the chain, held as `chain`) read, write, test and delete the entry
+    they name, but a group holds, iterates and copies that entry alone: its entries are its checkpoint's, which DCP's
+    flattened load rebuilds a group from."""
+    chain = [cbopt.average_grad, cbopt.momentum_step]
+    g = group(cbs=chain, momentum=0.5)
+    assert list(g) == ['params', 'param_names', 'lr', 'mom', 'chain'] and g['mom'] == 0.5 and g['chain'] is chain
+    assert g['momentum'] == 0.5 and g['cbs'] is chain and 'momentum' in g and 'cbs' in g and g.get('cbs') is chain
+    assert 'momentum' not in dict(g) and 'cbs' not in {**g} and set(copy.copy(g)) == set(g)
+    g['cbs'] = chain[:1]
+    assert g['chain'] == chain[:1] and list(g).count('chain') == 1
+    assert g.pop('cbs') == chain[:1] and 'chain' not in g and g.get('cbs', 'none') == 'none'
+
+
 @pytest.mark.parametrize('key, other', [('momentum', 'mom'), ('mom', 'momentum')])
 def test_deleting_one_alias_deletes_both(key: str, other: str) -> None:
     "`del g['momentum']` (or `pop`) takes `mom` with it: the two stay one value, and a later setdefault sets both."

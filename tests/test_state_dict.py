@@ -8,6 +8,7 @@ from fastai.optimizer import Adam as FastaiAdam
 from torch import nn
 
 import cbopt
+from cbopt.hypers import model_entries
 from cbopt.state import split_flags
 from conftest import make_model, random_grads
 
@@ -401,3 +402,58 @@ def test_dcp_state_dict_is_keyed_by_model_names_and_loads_back():
     set_optimizer_state_dict(m2, dst, osd)
     assert dst.hypers == opt.hypers
     for p, q in zip(opt.params, dst.params): torch.testing.assert_close(dst.state[q]['sqr_avg'], opt.state[p]['sqr_avg'], rtol=0, atol=0)
+
+
+def _accumulating_adam(model):
+    "AdamW under a warmup and a 3-step accumulation: whole-model state in the group entries and per param."
+    adam = cbopt.Adam(model.named_parameters(), lr=0.01, wd=0.1)
+    warm = cbopt.WarmupOptimizer(adam, [cbopt.WarmupStage(cbopt.WarmupPolicy.LINEAR, max_iters=10, value=0.1)], lr=None)
+    return cbopt.Accumulate(warm, every=3)
+
+
+def _two_chains(model):
+    "Momentum SGD on the matrices (torch's alias `momentum` in their group), AdamW on the rest: a chain per group."
+    named = list(model.named_parameters())
+    return cbopt.Optimizer([{'params': [(n, p) for n, p in named if p.ndim == 2],
+                             'cbs': [cbopt.average_grad, cbopt.momentum_step], 'lr': 0.02, 'momentum': 0.8},
+                            {'params': [(n, p) for n, p in named if p.ndim < 2]}], cbopt.adam_chain(), lr=3e-3)
+
+
+DCP_FLAT_CASES = {'sgd': lambda m: cbopt.SGD(m.named_parameters(), lr=0.1, mom=0.9, wd=0.01),
+                  'accumulate(warmup(adam))': _accumulating_adam, 'two chains': _two_chains}
+
+
+@pytest.mark.parametrize('case', DCP_FLAT_CASES)
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled')
+def test_dcp_flattened_state_dict_round_trips_bit_for_bit(case):
+    """`get_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))` (torchtitan's) flattens
+    cbopt's checkpoint to `state.<fqn>.<key>` and `param_groups.<fqn>.<entry>`, and `set_state_dict` rebuilds each group
+    from the entries of the live group: those are the checkpoint's (its `chain`, `mom` without torch's alias, the
+    whole-model state), so another optimizer (of other params, stepped otherwise) loads it bit for bit, and both go
+    on alike; a checkpoint of another chain is refused by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    build = DCP_FLAT_CASES[case]
+    src_model = make_model(0)
+    src = step_random(build(src_model), 5)  # (mid-accumulation: 2 micro-batches summed)
+    msd, osd = get_state_dict(src_model, src, options=flat)
+    chains = [g['chain'] for g in src.state_dict()['param_groups']]
+    assert {k for k in osd if k.endswith('.chain')} == {f'param_groups.{n}.chain' for n in NAMES}
+    assert sorted({osd[f'param_groups.{n}.chain'] for n in NAMES}) == sorted(set(chains))
+    assert not any(k.endswith(('.momentum', '.cbs')) for k in osd)
+    dst_model = make_model(1)
+    dst = step_random(build(dst_model), 2, start=50)
+    set_state_dict(dst_model, dst, model_state_dict=msd, optim_state_dict=osd, options=flat)
+    assert_same(snapshot(dst), snapshot(src))
+    assert [model_entries(g) for g in dst.state_dict()['param_groups']] == [model_entries(g) for g in src.state_dict()['param_groups']]
+    for p, q in zip(dst_model.parameters(), src_model.parameters()): assert torch.equal(p, q)
+    step_random(src, 4, start=5), step_random(dst, 4, start=5)
+    assert_same(snapshot(dst), snapshot(src))
+    for p, q in zip(dst_model.parameters(), src_model.parameters()): assert torch.equal(p, q)
+    if case == 'sgd':  # the same entries and state names, another chain: cbopt refuses it, naming the chain
+        other_model = make_model(1)
+        other = cbopt.Optimizer(other_model.named_parameters(), [cbopt.l2_reg, cbopt.average_grad, cbopt.momentum_step],
+                                lr=0.1, mom=0.9, wd=0.01)
+        with pytest.raises(ValueError, match=r"was saved by the chain \[weight_decay,average_grad,momentum_step\], but "
+                                             r"runs \[l2_reg,average_grad,momentum_step\]"):
+            set_state_dict(other_model, other, model_state_dict=msd, optim_state_dict=osd, options=flat)

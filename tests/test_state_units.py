@@ -671,17 +671,20 @@ def test_a_torch_class_checkpoint_holds_the_state_torchs_class_saves() -> None:
 
 def test_a_checkpoint_packed_by_torchs_own_state_dict_is_cbopts() -> None:
     """torch.optim.Optimizer's own `state_dict` of a cbopt optimizer (what torch tools that copy its groups make) holds
-    each group's live chain (`cbs`) and cbopt's names: it is read as cbopt's, its chain by name (another chain is
-    refused), its groups' entries without `params`, `param_names` and `cbs`, and it loads exactly."""
+    each group's live chain (the callbacks, under `chain`; a group's `cbs` is its alias) and cbopt's names: it is read
+    as cbopt's, its chain by name (another chain is refused), its groups' entries without `params` and `param_names`,
+    and it loads exactly; so does a copy holding the chain under `cbs`."""
     src = adam(groups=True, wd=0.1)
     src.set_hyper('lr', 0.02)
     sd = torch.optim.Optimizer.state_dict(src)
-    assert all('cbs' in g and 'chain' not in g for g in sd['param_groups'])
-    ck = read_checkpoint(sd)
-    assert ck.origin == 'cbopt'
+    assert all(list(g['chain']) == list(src.cbs) and 'cbs' not in g for g in sd['param_groups'])
     chain = named_state_dict(src)['param_groups'][0]['chain']
-    assert ck.groups == [{**{k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}, 'chain': chain}
-                         for g in sd['param_groups']]
+    for groups in (sd['param_groups'], [{**{k: v for k, v in g.items() if k != 'chain'}, 'cbs': g['chain']}
+                                        for g in sd['param_groups']]):
+        ck = read_checkpoint({**sd, 'param_groups': groups})
+        assert ck.origin == 'cbopt'
+        assert ck.groups == [{**{k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}, 'chain': chain}
+                             for g in groups]
     dst = adam(steps=1, groups=True)
     dst.load_state_dict(sd)
     assert dst.hypers == src.hypers and [h['lr'] for h in dst.hypers] == [0.02, 0.02]

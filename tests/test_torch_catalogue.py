@@ -204,8 +204,8 @@ def test_torch_state_dict_sets_every_hyper(name):
     opt = default_twin(name)(model.named_parameters(), backend='loop')
     opt.load_state_dict(ref_opt.state_dict())
     want = CASES[name][0](make_model().named_parameters()).param_groups[0]
-    assert {k: opt.param_groups[0][k] for k in want if k not in ('params', 'param_names', 'cbs')} == \
-        {k: v for k, v in want.items() if k not in ('params', 'param_names', 'cbs')}
+    assert {k: opt.param_groups[0][k] for k in want if k not in ('params', 'param_names', 'chain')} == \
+        {k: v for k, v in want.items() if k not in ('params', 'param_names', 'chain')}
     train(ref_opt, ref, 20, start=20)
     train(opt, model, 20, start=20)
     assert_rel_close(model, ref, rtol=TOL, msg=f'{name} resumed from torch:', **PER_TENSOR)
@@ -514,7 +514,7 @@ def test_muon_torch_state_dict_and_resume(name):
     opt = Muon(list(model.parameters()), backend='loop')
     opt.load_state_dict(torch.load(buf, weights_only=True))
     want = Muon(list(matrices_model().parameters()), **ours).param_groups[0]
-    assert all(opt.param_groups[0][k] == v for k, v in want.items() if k not in ('params', 'param_names', 'cbs'))
+    assert all(opt.param_groups[0][k] == v for k, v in want.items() if k not in ('params', 'param_names', 'chain'))
     train(ref_opt, ref, 20, start=20)
     train(opt, model, 20, start=20)
     assert_rel_close(model, ref, rtol=TOL, **PER_TENSOR)

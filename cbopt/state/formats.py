@@ -130,8 +130,8 @@ def _group_names(g: Mapping) -> list:
 
 def _read_groups(sd: Mapping) -> Checkpoint:
     "A state_dict with `param_groups` (cbopt's named or torch layout, torch.optim's, DCP's load dicts)."
-    # cbopt's own (its state and hyper names are cbopt's): its groups name their chain, or hold it (`cbs`: a live
-    # group, as ZeroRedundancyOptimizer's consolidated state_dict copies cbopt's groups)
+    # cbopt's own (its state and hyper names are cbopt's): its groups name their chain, or hold it (a live group's
+    # `chain`, or `cbs`, as ZeroRedundancyOptimizer's consolidated state_dict copied cbopt's groups)
     ours = any('chain' in g or 'cbs' in g for g in sd['param_groups'])
     state, params, groups, listed = sd['state'], [], [], set()
     for gi, g in enumerate(sd['param_groups']):
@@ -144,7 +144,8 @@ def _read_groups(sd: Mapping) -> Checkpoint:
             s = dict(state.get(k) or {})
             params.append(Saved(name, s, gi, at))  # torch's: see torch_state
         rest = {k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs')}  # torch's: see torch_hypers
-        if 'cbs' in g: rest.setdefault('chain', chain_name(g['cbs']))
+        chain = g.get('chain', g.get('cbs'))  # a live group's copy holds the callbacks themselves
+        if chain is not None and not isinstance(chain, str): rest['chain'] = chain_name(chain)
         groups.append(rest)
     return Checkpoint(params, groups, [len(g['params']) for g in sd['param_groups']], 'cbopt' if ours else 'torch',
                       [k for k in state if k not in listed])
