@@ -540,8 +540,8 @@ def report(results: dict) -> str:
     bw = max((v for v in streams.values() if v), default=None)
     out = [f"Machine: {m['cpu']}, {m['cores']} cores (torch threads: {m['torch_threads']}), torch {m['torch']}, "
            f"fastai {m['fastai']}, Python {m['python']}; {m['date']}. fp32, median of {results['rounds']} interleaved "
-           f"steps. Bandwidth (`% of bw` is of the larger): " +
-           ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.']
+           f"steps." + (" Bandwidth (`% of bw` is of the larger): " +
+                        ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.' if streams else '')]
     titles = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
               'lion': 'Lion (cbopt callbacks only) on the GPT-2 set',
               'train': "A train step on the demo's MLP (forward, grad, Adam update)"}
