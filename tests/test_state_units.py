@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import cbopt
-from cbopt.state import named_state_dict, prepare_load, read_checkpoint, split_flags
+from cbopt.state import canonical_names, named_state_dict, prepare_load, read_checkpoint, split_flags
 from cbopt.state.formats import torch_hypers, torch_state
 
 
@@ -63,6 +63,7 @@ def test_not_a_state_dict() -> None:
     refused(opt, [1, 2], TypeError, "expected a state_dict with a 'state' entry, got list")
     refused(opt, {'param_groups': []}, TypeError, "expected a state_dict with a 'state' entry, got dict")
     refused(opt, {'state': {}}, ValueError, "the state_dict has no 'param_groups'")
+    refused(opt, {'state': [{}] * 4}, ValueError, "the state_dict has no 'param_groups'")  # fastai's state, no 'hypers'
     sd = opt.named_state_dict()
     sd['param_groups'][0]['params'][1] = 1.5
     refused(opt, sd, ValueError, "group 0 of the state_dict lists params that are neither names (str) nor torch ids (int)")
@@ -196,6 +197,108 @@ def test_whole_model_state_is_checked_and_converted_entry_by_entry() -> None:
         assert type(total) is int and total == 4, saved
 
 
+def test_a_checkpoint_without_any_whole_model_entry_is_rejected_and_torchs_keeps_ours() -> None:
+    """cbopt's own checkpoint must hold every whole-model entry of this optimizer's chain (one with none of them,
+    hand-edited or of another chain, is refused naming the first missing); torch.optim's and fastai's formats have no
+    such entries, so a load from them keeps this optimizer's (the skipped-step counts here)."""
+    def skipping() -> tuple[cbopt.Optimizer, nn.Module]:
+        m = model()
+        opt = cbopt.SkipNonFinite(cbopt.Adam(list(m.named_parameters()), lr=0.01, wd=0))
+        for i, bad in enumerate((False, True)):
+            grads(opt.params, i)
+            if bad: opt.params[0].grad[0, 0] = float('inf')
+            opt.step()
+        return opt, m
+    opt, _ = skipping()
+    none = opt.named_state_dict()
+    for k in [k for k in none['param_groups'][0] if k.startswith('skip_nonfinite.')]: del none['param_groups'][0][k]
+    refused(opt, none, KeyError, "whole-model callback state 'skip_nonfinite.skipped_total' (group 0) is missing "
+                                 "from the state_dict")
+    t, m = torch_adam(lr=0.01)
+    opt.load_state_dict(t.state_dict())
+    assert opt.param_groups[0]['skip_nonfinite.skipped_total'] == opt.param_groups[0]['skip_nonfinite.skipped_consecutive'] == 1
+    for p, q in zip(opt.params, m.parameters()): assert torch.equal(opt.state[p]['grad_avg'], t.state[q]['exp_avg'])
+    opt.load_state_dict(fastai_sd(skipping()[0]) | {'hypers': [dict(h) for h in opt.hypers]})
+    assert opt.param_groups[0]['skip_nonfinite.skipped_total'] == 1
+
+
+def last_flat_grads(params, last=None, history=None, **kwargs):
+    """A whole-model callback keeping the grads flat over its group's params in their order (`flat_state`, as L-BFGS's
+    history): the last ones, and a list of the last two."""
+    flat = torch.cat([g.flatten() for tl in params for g in tl.grad])
+    return {'last': flat, 'history': [*(history or [])[-1:], flat]}
+last_flat_grads.scope = 'model'
+last_flat_grads.state = dict(last=None, history=None)
+last_flat_grads.flat_state = ('last', 'history')
+
+FLAT = ('last_flat_grads.last', 'last_flat_grads.history')
+
+
+def flat_opt(order: list[str], steps: int = 0) -> cbopt.Optimizer:
+    """Group 0: the params named in `order`, running `last_flat_grads`; group 1: the rest. Each param gets the grads of
+    its name, whatever the order."""
+    named = dict(model().named_parameters())
+    rest = [(n, p) for n, p in named.items() if n not in order]
+    opt = cbopt.Optimizer([{'params': [(n, named[n]) for n in order], 'cbs': [last_flat_grads, cbopt.sgd_step]},
+                           *([{'params': rest}] if rest else [])], [cbopt.sgd_step], lr=0.1)
+    for i in range(steps):
+        grads(named.values(), i)
+        opt.step()
+    return opt
+
+
+def test_flat_whole_model_state_loads_in_this_groups_order() -> None:
+    """A whole-model entry flat over the group's params (`cb.flat_state`), saved by a group listing them in one order,
+    loads into the same group listing them in another (by name) as that group's own run makes it, each param's slice
+    moved; the other group is not part of it. Before any step the entries are None and load as None."""
+    saved = flat_opt(['0.weight', '0.bias', '1.weight'], steps=3)
+    for order in (['0.weight', '0.bias', '1.weight'], ['1.weight', '0.weight', '0.bias'], ['0.bias', '1.weight', '0.weight']):
+        want = flat_opt(order, steps=3).param_groups[0]
+        for sd in (saved.state_dict(), saved.named_state_dict()):
+            got = flat_opt(order, steps=1)
+            got.load_state_dict(sd)
+            g = got.param_groups[0]
+            assert torch.equal(g[FLAT[0]], want[FLAT[0]]), order
+            assert type(g[FLAT[1]]) is list and len(g[FLAT[1]]) == 2
+            assert all(torch.equal(a, b) for a, b in zip(g[FLAT[1]], want[FLAT[1]])), order
+            assert all(k not in got.param_groups[1] for k in FLAT)
+    fresh = flat_opt(['1.weight', '0.weight', '0.bias'])
+    fresh.load_state_dict(flat_opt(['0.weight', '0.bias', '1.weight']).state_dict())
+    assert fresh.param_groups[0][FLAT[0]] is None and fresh.param_groups[0][FLAT[1]] is None
+
+
+def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
+    """A flat entry of another length than the group's params, one that is not a tensor, or one saved by a group of
+    other params (grouped otherwise: it cannot be put in this group's order) is refused naming the entry and group,
+    and the load changes nothing."""
+    opt = flat_opt(['1.weight', '0.weight', '0.bias'])  # (stepped, its own entries' shapes would be checked first)
+    sd = flat_opt(['0.weight', '0.bias', '1.weight'], steps=2).named_state_dict()
+    short = copy.deepcopy(sd)
+    short['param_groups'][0][FLAT[0]] = short['param_groups'][0][FLAT[0]][:-1]
+    refused(opt, short, ValueError, f"whole-model callback state {FLAT[0]!r} (group 0) has shape (9,) in the "
+                                    f"state_dict, but this group's params have 10 elements: it is the state of other params")
+    numbers = copy.deepcopy(sd)
+    numbers['param_groups'][0][FLAT[1]] = [1.0, 2.0]
+    refused(opt, numbers, ValueError, f"whole-model callback state {FLAT[1]!r} (group 0) has shape () in the "
+                                      f"state_dict, but this group's params have 10 elements: it is the state of other params")
+    names = ['0.weight', '0.bias', '1.weight', '1.bias']
+    regrouped = flat_opt(names, steps=2).named_state_dict()  # one group, its group split in two by hand:
+    g = regrouped['param_groups'][0]                            # the entries stay in the first, flat over all four
+    regrouped['param_groups'] = [{**g, 'params': names[:2]}, {k: v for k, v in g.items() if k not in FLAT} | {'params': names[2:]}]
+    refused(flat_opt(names[::-1]), regrouped, ValueError,
+            f"whole-model callback state {FLAT[1]!r} (group 0) is flat over the params of the state_dict's group 0, which "
+            f"are not this group's: it cannot be put in their order")
+
+
+def test_canonical_names_drop_wrapper_prefixes() -> None:
+    """torch.compile's and the checkpoint wrappers' prefixes go wherever they are; DDP's `module.` only when it starts
+    every name, and never leaving a name empty."""
+    assert canonical_names(['module._orig_mod.0.weight', 'module.0._checkpoint_wrapped_module.bias']) == ['0.weight', '0.bias']
+    assert canonical_names(['module.weight', 'head.weight']) == ['module.weight', 'head.weight']
+    assert canonical_names(['module.', 'module.weight']) == ['module.', 'module.weight']
+    assert canonical_names([]) == []
+
+
 def test_another_chain_is_rejected_per_group() -> None:
     opt = adam(groups=True)
     sd = cbopt.SGD(model().named_parameters(), lr=0.1, mom=0.9).named_state_dict()
@@ -322,12 +425,18 @@ def test_state_for_a_param_that_keeps_none() -> None:
                                  "no state for it")
 
 
-def test_hypers_of_a_checkpoint_are_checked_but_initial_lr() -> None:
+def test_hypers_of_a_checkpoint_are_checked_initial_lr_too() -> None:
+    """Every hyper of a checkpoint's groups is checked as construction checks it: a NaN lr is refused; the
+    `initial_lr` torch's LR schedulers add is a hyper no callback has a rule for, so only its type is checked (a number
+    loads as it is, a list is refused as it would be by `set_hyper`)."""
     opt = adam()
     sd = opt.named_state_dict()
     sd['param_groups'][0]['lr'] = float('nan')
     refused(opt, sd, ValueError, "Invalid learning rate: nan (group 0) (expected lr >= 0, finite)")
     sd['param_groups'][0]['lr'] = 0.5
+    sd['param_groups'][0]['initial_lr'] = [0.25]
+    refused(opt, sd, TypeError, "hyper 'initial_lr' (group 0) got a list: hypers are numbers (or 0-d tensors)")
+    with pytest.raises(TypeError, match=re.escape("hyper 'initial_lr' got a list")): opt.set_hyper('initial_lr', [[0.25]])
     sd['param_groups'][0]['initial_lr'] = 0.25  # what torch's LR schedulers add: loaded as it is
     opt.load_state_dict(sd)
     assert opt.param_groups[0]['lr'] == 0.5 and opt.param_groups[0]['initial_lr'] == 0.25

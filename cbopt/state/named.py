@@ -376,9 +376,8 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
             new_state[p] = {key: _load_value(name, key, saved[key], expected[key]) for key in expected}
     groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
-    for i, h in enumerate(hypers):
-        for key, v in h.items():
-            if key != 'initial_lr': check_hyper(key, v, i)  # a corrupt checkpoint must not load a NaN lr
+    for i, h in enumerate(hypers):  # a corrupt checkpoint must not load a NaN lr
+        for key, v in h.items(): check_hyper(key, v, i)
     if ck.origin == 'cbopt' or any(model_entries(g) for g in ck.groups):  # torch's and fastai's have none: ours stay
         starts = [0]
         for g in opt.param_groups: starts.append(starts[-1] + len(g['params']))
