@@ -465,3 +465,82 @@ def test_a_callback_returning_state_for_fewer_params_than_its_bucket_is_an_error
     opt = cbopt.Optimizer([a, b], [short, cbopt.sgd_step], lr=0.1, backend='foreach')
     a.grad, b.grad = torch.ones(2), torch.ones(3)
     with pytest.raises(ValueError, match='zip'): opt.step()
+
+
+# -- torch's kernels: a grad scale on copies of the grads (clip_grad_norm, the grad contract) --------------------
+def _kernel_bucket(*numels: int, dtype=torch.float64, keys=('a', 'b')) -> bucketing.Bucket:
+    "A bucket of params of these sizes, with seeded grads and state entries `keys` (tensors like the params)."
+    g = torch.Generator().manual_seed(sum(numels))
+    ps = [torch.randn(n, dtype=dtype, generator=g) for n in numels]
+    for p in ps: p.grad = torch.randn(p.shape, dtype=dtype, generator=g)
+    return bucketing.Bucket({}, ps, [{k: torch.randn(p.shape, dtype=dtype, generator=g) for k in keys} for p in ps])
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_scaled_slices_cut_large_params_join_small_ones_in_one_reused_buffer(monkeypatch, dtype) -> None:
+    """Runs of at most SCALE_CHUNK elements (8 here) of flat slices: params of 3 and 5 elements fill the first run
+    exactly, the 20-element one is cut into 8, 8 and 4, whose last slice the 1-element param joins, and the 7-element
+    one starts a run of its own. Each slice views its param (and each state entry) in place; each run's scaled grads
+    are its grads times the scale in the param's dtype, written one after another from the start of one buffer of 8
+    elements, reused by every run (so a run is read before the next is made); the grads themselves are not written;
+    no warning (an output of the wrong size is resized, with a warning)."""
+    from cbopt.engine import kernels
+    monkeypatch.setattr(kernels, 'SCALE_CHUNK', 8)
+    b = _kernel_bucket(3, 5, 20, 1, 7, dtype=dtype)
+    grads = [p.grad.clone() for p in b.params]
+    scale = torch.tensor(0.3, dtype=torch.float32)
+    expected = [[(0, 0, 3), (1, 0, 5)], [(2, 0, 8)], [(2, 8, 8)], [(2, 16, 4), (3, 0, 1)], [(4, 0, 7)]]
+    got, buffers = [], set()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for ps, gs, a, b_ in kernels._scaled_slices(b, scale, ('a', 'b')):
+            run, used = [], 0
+            for p, g, sa, sb in zip(ps, gs, a, b_, strict=True):
+                i = next(i for i, q in enumerate(b.params) if q.untyped_storage().data_ptr() == p.untyped_storage().data_ptr())
+                start, n = p.storage_offset(), p.numel()
+                run.append((i, start, n))
+                for t, whole in ((p, b.params[i]), (sa, b.states[i]['a']), (sb, b.states[i]['b'])):
+                    assert t.data_ptr() == whole.data_ptr() + start * whole.element_size() and t.shape == (n,)
+                assert g.dtype == dtype and torch.equal(g, grads[i][start:start + n] * scale.to(dtype))
+                assert g.storage_offset() == used  # one after another from the buffer's start
+                buffers.add((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()))
+                used += n
+            got.append(run)
+    assert got == expected
+    assert [nbytes for _, nbytes in buffers] == [8 * torch.empty(0, dtype=dtype).element_size()]  # one, of 8
+    assert all(torch.equal(p.grad, g) for p, g in zip(b.params, grads))
+    one = _kernel_bucket(4, dtype=dtype)  # a bucket of one param: one run, a buffer of its size
+    (ps, gs, a, b_), = kernels._scaled_slices(one, scale, ('a', 'b'))
+    assert ps[0].data_ptr() == one.params[0].data_ptr() and torch.equal(gs[0], one.params[0].grad * scale.to(dtype))
+    assert gs[0].untyped_storage().nbytes() == 4 * one.params[0].element_size()
+
+
+@pytest.mark.parametrize('entry', ['torch_kernel', 'fused_adamw'])
+def test_a_kernel_given_a_grad_scale_steps_as_torchs_clip_then_fused_adamw(monkeypatch, entry) -> None:
+    """`torch_kernel(b, hyper, grad_scale=c)`, and `fused_adamw(b, hyper, grad_scale=c)` with its defaults (no
+    maximize, no amsgrad), step as torch's `clip_grad_norm_` (whose coefficient is `c`) then its fused AdamW, bit for
+    bit (the same kernel on the same scaled grads), float64 params cut into runs (SCALE_CHUNK 16: the 48-element
+    weight is cut, the biases join others); by default (not in place) the user's grads are left as they were."""
+    from conftest import assert_same_params, make_model, set_grads
+    from cbopt.engine import kernels
+    from cbopt.hypers import Hypers
+    monkeypatch.setattr(kernels, 'SCALE_CHUNK', 16)
+    hypers = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01)
+    model, ref = make_model(dtype=torch.float64), make_model(dtype=torch.float64)
+    opt = cbopt.optim.AdamW(model.parameters(), **hypers, fused=True)
+    opt.init_state()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hypers, fused=True)
+    for i in range(5):
+        set_grads(model, i), set_grads(ref, i)
+        given = [(p.grad, p.grad.clone()) for p in model.parameters()]
+        coef = torch.clamp(0.05 / (torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) + 1e-6), max=1.0)
+        assert coef < 1  # (it clips)
+        for b in bucketing.buckets(opt):
+            hyper = Hypers(b.group).snapshot()
+            run = getattr(kernels, entry)(b, hyper, grad_scale=coef)
+            assert run is not None
+            run()
+        ref_opt.step()
+        assert_same_params(model, ref, f'step {i}')
+        for p, (g, before) in zip(model.parameters(), given): assert p.grad is g and torch.equal(g, before)
+    assert [opt.state[p]['step'] for p in model.parameters()] == [5] * 4

@@ -205,6 +205,12 @@ def sync(work: Path, fresh: bool) -> None:
     mapped.write_text(digest)
 
 
+# the first steps of `mutmut run` (mutmut 3.8's `_run`): the mutated copies and their `.meta` files, each mutant
+# unchecked; no test runs. `--sample` draws from them, so a fresh copy needs them before its first run
+GENERATE = ('import os, mutmut.__main__ as m; m.set_mutant_under_test("mutant_generation"); '
+            'os.makedirs("mutants", exist_ok=True); m.copy_src_dir(); m.copy_also_copy_files(); '
+            'm.setup_source_paths(); m.store_lines_covered_by_tests(); m.create_mutants(1)')
+
 MAPPED = ('tests', 'cbopt')  # what decides which test reaches which mutated function
 
 
@@ -278,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True)
         print(f'mutating {" ".join(sources)} against {" ".join(tests)} (repo at {rev.stdout.strip()}) in {work}',
               flush=True)
+        if args.sample and not results(work):  # a fresh copy: mutmut has made no mutants yet, so none to draw from
+            subprocess.run([sys.executable, '-c', GENERATE], cwd=work, env=env, check=True)
         # (a 'no tests' mutant may have tests now that every test is mapped again)
         names = [k for k, c in results(work).items() if status(c) in ('survived', 'no tests')] if args.survivors else []
         # (mutmut reruns every mutant it is given by name, checked or not: give it only the unchecked ones)
