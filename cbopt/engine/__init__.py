@@ -324,7 +324,7 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
             with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
-    for b in bucketing.buckets(opt, on_odd_grad=check_grads if check else None):
+    for b in bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None):
         hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
         with as_real(b) as b:  # complex params step as torch's do: on their real views
             if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import compress
+from operator import attrgetter, is_, itemgetter
 from typing import NamedTuple
 
 import torch
 
 from ..chain import chain_scope, param_chain
-from ..dtensor import layout_key
+from ..dtensor import is_dtensor, layout_key
 from ..tensorlist import TensorList
+from .runtime import runtime
 
-__all__ = ['Bucket', 'buckets', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state', 'cache_chunks', 'model_buckets',
-           'as_real']
+__all__ = ['Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
+           'cache_chunks', 'model_buckets', 'as_real']
 
 
 class Bucket(NamedTuple):
@@ -26,6 +29,9 @@ class Bucket(NamedTuple):
     group: dict
     params: list
     states: list  # each param's own `opt.state[p]` dict
+    # what runners found out about the bucket's layout (`kernels.kernel_step`), kept while `BucketPlan` finds the
+    # bucket unchanged; None for a bucket made for one step
+    known: dict | None = None
 
     @property
     def cbs(self) -> list:
@@ -50,10 +56,12 @@ def grad_is_odd(p) -> bool:
     return g.layout is not torch.strided or g.dtype is not p.dtype or g.shape != p.shape
 
 
-def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
-    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
-    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors).
-    `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
+def _bucket_key(gi: int, p, st: dict, by_rank: bool) -> tuple:
+    return (gi, p.device, p.dtype, layout_key(p), _state_key(st), p.ndim if by_rank else None)
+
+
+def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
+    "`buckets`, by their keys."
     out, state = {}, opt.state
     for gi, g in enumerate(opt.param_groups):
         by_rank = chain_scope(g['cbs']) == 'tensor'  # such a chain may keep state by rank (`chain.declared_for`)
@@ -61,13 +69,113 @@ def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
             if p.grad is None: continue
             if on_odd_grad is not None and grad_is_odd(p): on_odd_grad(opt)
             st = state[p]
-            key = (gi, p.device, p.dtype, layout_key(p), _state_key(st), p.ndim if by_rank else None)
+            key = _bucket_key(gi, p, st, by_rank)
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
             if b is None: b = out[key] = Bucket(g, [], [])
             b.params.append(p)
             b.states.append(st)
-    return list(out.values())
+    return out
+
+
+def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
+    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
+    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors).
+    `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
+    return list(_keyed_buckets(opt, on_odd_grad).values())
+
+
+def _metadata_guard(tensors: list):
+    """torch's own check of tensors' metadata (dynamo's `TensorGuards`: Python type, dispatch keys, dtype, device,
+    requires_grad, sizes and strides, in C++): `guard.check(*tensors)` is whether each tensor still has what its
+    counterpart had here. None where torch has no such check."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (ImportError, TypeError, RuntimeError): return None
+
+
+_GRAD = attrgetter('grad')
+_NONE = type(None)
+_NUMBERS = (int, float, bool)  # Python state values a plan compares (step counts, flags); any other: no plan
+
+
+class BucketPlan:
+    """`buckets(opt)`, kept between steps and checked at each against what it was made from, which costs a fraction
+    of making it again: per param, C-level passes over the params, grads and state (which params have a grad, the
+    same state dicts with the same keys, the Python values equal within each bucket) and one metadata check of
+    every param, grad and state tensor (`_metadata_guard`). Grads are new tensors each step (`zero_grad` sets them
+    to None), a param can be given new memory, a dtype or another shape, state can be loaded or written: whatever
+    changes the buckets fails the check. A step finds the buckets `buckets` would make, in its order."""
+
+    def __init__(self, opt, on_odd_grad: Callable | None = None):
+        odd = []
+
+        def noting(o) -> None:
+            odd.append(True)
+            on_odd_grad(o)
+        keyed = _keyed_buckets(opt, None if on_odd_grad is None else noting)
+        self.buckets = [Bucket(b.group, b.params, b.states, {}) for b in keyed.values()]
+        self.keys = list(keyed)
+        self.odd = bool(odd)  # a grad `on_odd_grad` looked at (and let pass): it looks again at each step
+        self.state = opt.state
+        self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
+                       for g in opt.param_groups]
+        plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked)
+        ts = self._tensors(opt) if plain else None
+        self.guard = None if ts is None else _metadata_guard(ts)
+
+    def _tensors(self, opt) -> list | None:
+        "Every param with a grad, its grad and each tensor of its state, as now; None if one is not where it was."
+        ts = []
+        for g, params, cbs, grad_types in self.groups:
+            ps = g['params']
+            if len(ps) != len(params) or not all(map(is_, ps, params)): return None
+            grads = list(map(_GRAD, ps))
+            if list(map(type, grads)) != grad_types: return None  # a grad came or went
+            if _NONE in grad_types:
+                has = [t is not _NONE for t in grad_types]
+                ps, grads = list(compress(ps, has)), list(compress(grads, has))
+            ts += ps
+            ts += grads
+        for b in self.buckets:
+            st0 = b.states[0]
+            n = len(st0)
+            if list(map(len, b.states)) != [n] * len(b.states): return None
+            for k, v in st0.items():
+                vs = list(map(itemgetter(k), b.states))
+                if isinstance(v, torch.Tensor): ts += vs
+                elif type(v) not in _NUMBERS or list(map(type, vs)).count(type(v)) != len(vs) or vs.count(v) != len(vs):
+                    return None
+        return ts
+
+    def current(self, opt, on_odd_grad: Callable | None = None) -> list[Bucket] | None:
+        "The plan's buckets if nothing they depend on changed since it was made, else None."
+        if self.guard is None or opt.state is not self.state or len(opt.param_groups) != len(self.groups): return None
+        for g, (g0, _, cbs, _) in zip(opt.param_groups, self.groups):
+            if g is not g0 or len(g['cbs']) != len(cbs) or not all(map(is_, g['cbs'], cbs)): return None
+        try:
+            ts = self._tensors(opt)
+            if ts is None or not self.guard.check(*ts): return None
+            state = opt.state
+            for b in self.buckets:  # the same state dicts (a load gives each param a new one)
+                if not all(map(is_, map(state.__getitem__, b.params), b.states)): return None
+            keys = [_bucket_key(k[0], b.params[0], b.states[0], k[5] is not None) for k, b in zip(self.keys, self.buckets)]
+            if len(set(keys)) != len(keys): return None  # Python values that made two buckets are now equal
+        except (KeyError, TypeError, RuntimeError): return None  # (a key gone, an unhashable value, a sparse grad)
+        self.keys = keys
+        if self.odd and on_odd_grad is not None: on_odd_grad(opt)
+        return self.buckets
+
+
+def planned_buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
+    """`buckets(opt, on_odd_grad)`, from the optimizer's `BucketPlan` when it still holds (made again when not): the
+    engine's per-step bucketing."""
+    rt = runtime(opt)
+    plan = rt.bucket_plan
+    if plan is not None and (bs := plan.current(opt, on_odd_grad)) is not None: return bs
+    rt.bucket_plan = plan = BucketPlan(opt, on_odd_grad)
+    return plan.buckets
 
 
 def stand_in(b: Bucket) -> TensorList:
@@ -142,7 +250,7 @@ def as_real(b: Bucket) -> Iterator[Bucket]:
     complex params: every callback's math is then the real one, on the real and imaginary parts. In-place updates
     reach the complex tensors through the views; a new state tensor of a param's real shape is kept complex (as
     torch's state is), so checkpoints hold the params' own dtype. A bucket of real params is given as it is."""
-    if not any(p.is_complex() for p in b.params):
+    if not any(map(torch.Tensor.is_complex, b.params)):
         yield b
         return
     params, states = [], []

@@ -127,7 +127,9 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
     if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
-    if not _laid_out_alike(b, buffers): return None
+    known = {} if b.known is None else b.known  # (kept while the bucket's plan holds: its layout is unchanged)
+    if (alike := known.get(buffers)) is None: alike = known[buffers] = _laid_out_alike(b, buffers)
+    if not alike: return None
     copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
     if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)

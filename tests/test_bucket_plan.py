@@ -1,0 +1,219 @@
+"""The engine's bucket plan (`cbopt.engine.buckets.BucketPlan`): the last step's buckets, kept and checked at each step
+instead of made again. A kept plan must give exactly what `buckets(opt)` would (the same params, in the same order,
+with the same state dicts, in the same buckets), and whatever changes them must make it again: a grad that comes, goes
+or turns sparse, a param given another dtype, shape or strides, state loaded or edited, a new group. Steps are checked
+against the loop backend (and torch's fused kernels) over many steps with such changes midway."""
+import copy
+
+import pytest
+import torch
+
+import cbopt
+from cbopt.engine import Backend
+from cbopt.engine import buckets as bucketing
+from cbopt.engine.runtime import runtime
+from conftest import assert_rel_close, make_model, set_grads, train
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+
+def plan(opt):
+    return runtime(opt).bucket_plan
+
+
+def assert_as_made_afresh(opt) -> list:
+    "`planned_buckets` gives what `buckets` makes from scratch: the same params and state dicts, bucket by bucket."
+    planned, fresh = bucketing.planned_buckets(opt), bucketing.buckets(opt)
+    assert [[id(p) for p in b.params] for b in planned] == [[id(p) for p in b.params] for b in fresh]
+    assert [[id(s) for s in b.states] for b in planned] == [[id(s) for s in b.states] for b in fresh]
+    assert all(a.group is b.group for a, b in zip(planned, fresh))
+    return planned
+
+
+def test_plan_kept_while_nothing_changes() -> None:
+    "New grads each step (set to None, then backward) keep the plan: the buckets are the same objects step after step."
+    model = make_model()
+    opt = cbopt.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    train(opt, model, 3)
+    kept = plan(opt)
+    assert kept is not None and kept.guard is not None
+    for i in range(3, 8):
+        train(opt, model, 1, start=i)
+        assert plan(opt) is kept
+    set_grads(model, 8)
+    assert assert_as_made_afresh(opt) is kept.buckets
+
+
+def _strides(model, opt):  # the same shape and values, transposed in memory; the grads stay contiguous
+    w = model[0].weight
+    w.data = w.data.t().contiguous().t()
+
+
+def _requires_grad(model, opt):
+    model[0].bias.requires_grad_(False)
+
+
+def _state_loaded(model, opt):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _state_dict_replaced(model, opt):
+    p = model[2].bias
+    opt.state[p] = dict(opt.state[p])
+
+
+def _flag(model, opt):  # fastai's flag, a Python value of the state: that param is bucketed apart
+    opt.state[model[0].weight]['do_wd'] = False
+
+
+def _step_count(model, opt):
+    opt.state[model[0].bias]['step'] += 1
+
+
+def _state_key_dropped(model, opt):
+    del opt.state[model[2].weight]['grad_avg']
+
+
+def _group_added(model, opt):
+    opt.add_param_group({'params': [torch.nn.Parameter(torch.randn(4))]})
+
+
+CHANGES = [_strides, _requires_grad, _state_loaded, _state_dict_replaced, _flag, _step_count,
+           _state_key_dropped, _group_added]
+
+
+@pytest.mark.parametrize('change', CHANGES, ids=lambda f: f.__name__[1:])
+def test_plan_made_again_when_its_buckets_change(change) -> None:
+    """Each change made between two steps: the next step makes its plan again, its buckets are what `buckets` makes,
+    and 6 more steps match the loop backend's (given the same change), which never plans."""
+    model = make_model()
+    twin = copy.deepcopy(model)
+    opt = cbopt.Adam(model.parameters(), lr=0.01, wd=0.1, backend='foreach')
+    ref = cbopt.Adam(twin.parameters(), lr=0.01, wd=0.1, backend='loop')
+    for i in range(3):
+        set_grads(model, i), set_grads(twin, i)
+        opt.step(), ref.step()
+    before = plan(opt)
+    change(model, opt), change(twin, ref)
+    set_grads(model, 3), set_grads(twin, 3)
+    assert_as_made_afresh(opt)
+    assert plan(opt) is not before
+    for i in range(3, 9):
+        set_grads(model, i), set_grads(twin, i)
+        opt.step(), ref.step()
+        assert_rel_close(model, twin, rtol=1e-6, msg=f'{change.__name__} step {i}')
+
+
+def test_plan_made_again_for_another_dtype() -> None:
+    "Params given another dtype (`model.double()`), and so grads: a new plan, the buckets `buckets` makes."
+    model = make_model()
+    opt = cbopt.Adam(model.parameters(), lr=0.01, backend='foreach')
+    train(opt, model, 3)
+    before = plan(opt)
+    model.double()
+    set_grads(model, 3)
+    assert [b.params[0].dtype for b in assert_as_made_afresh(opt)] == [torch.float64]
+    assert plan(opt) is not before
+
+
+def test_buckets_merged_when_their_python_values_meet() -> None:
+    """Two buckets apart only by a step count (one param stepped once more) are one again when the counts are equal
+    again, as `buckets` makes them."""
+    model = make_model()
+    opt = cbopt.Adam(model.parameters(), lr=0.01, backend='foreach')
+    train(opt, model, 3)
+    opt.state[model[0].bias]['step'] += 1
+    set_grads(model, 3)
+    assert len(assert_as_made_afresh(opt)) == 2
+    opt.step()
+    opt.state[model[0].bias]['step'] -= 1
+    set_grads(model, 4)
+    assert len(assert_as_made_afresh(opt)) == 1
+
+
+def test_grad_going_and_coming_back() -> None:
+    "A param without a grad for a few steps (frozen, then not): left out of the buckets, then in again."
+    model = make_model()
+    twin = copy.deepcopy(model)
+    opt = cbopt.Adam(model.parameters(), lr=0.01, backend='foreach')
+    ref = cbopt.Adam(twin.parameters(), lr=0.01, backend='loop')
+    for i in range(10):
+        set_grads(model, i), set_grads(twin, i)
+        if 3 <= i < 6: model[0].weight.grad = twin[0].weight.grad = None
+        if i in (3, 6): assert_as_made_afresh(opt)
+        opt.step(), ref.step()
+        assert_rel_close(model, twin, rtol=1e-6, msg=f'step {i}')
+    assert ref.state[twin[0].weight]['step'] == 7 and opt.state[model[0].weight]['step'] == 7
+
+
+def test_sparse_grad_after_a_kept_plan_is_refused() -> None:
+    "A grad turned sparse once the plan is kept is refused as on the first step: the error names it, nothing changes."
+    model = make_model()
+    opt = cbopt.optim.SGD(model.named_parameters(), lr=0.05, momentum=0.9, fused=True)
+    train(opt, model, 3)
+    set_grads(model, 3)
+    model[2].bias.grad = model[2].bias.grad.to_sparse()
+    params, state = copy.deepcopy((list(model.parameters()), opt.state_dict()))
+    with pytest.raises(RuntimeError, match=r"param '2\.bias' has a sparse gradient"): opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    after = opt.state_dict()['state']
+    assert all(torch.equal(after[i]['momentum_buffer'], st['momentum_buffer']) for i, st in state['state'].items())
+
+
+def count_kernel_params(monkeypatch, name: str) -> list:
+    "Per call of torch's kernel `name`, the number of params it stepped."
+    calls, real = [], getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda ps, *a, **k: calls.append(len(ps)) or real(ps, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize('cls, kernel, hypers', [
+    ('SGD', '_fused_sgd_', dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    ('Adam', '_fused_adam_', dict(lr=0.01, weight_decay=0.1)),
+    ('AdamW', '_fused_adamw_', dict(lr=0.01, weight_decay=0.1)),
+    ('Adagrad', '_fused_adagrad_', dict(lr=0.05, weight_decay=0.1))])
+def test_kernel_steps_as_torchs_fused_optimizer_through_changes(cls, kernel, hypers, monkeypatch) -> None:
+    """40 steps of cbopt's twin of a torch optimizer (torch's kernel, the plan kept) against torch's own fused one, bit
+    for bit, with changes midway: a param given new memory (step 10), a grad missing for 5 steps (from step 15), the
+    state saved and loaded back (step 25). Every step runs the kernel once, on the params that have a grad."""
+    ref = make_model()
+    ref_opt = getattr(torch.optim, cls)(ref.parameters(), **hypers, fused=True)
+    set_grads(ref, 0)
+    ref_opt.step()
+    model = copy.deepcopy(ref)
+    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, fused=True)
+    opt.load_state_dict(ref_opt.state_dict())  # (the state exists: the kernel steps from here)
+    calls = count_kernel_params(monkeypatch, kernel)
+    for i in range(1, 41):
+        set_grads(ref, i), set_grads(model, i)
+        if i == 10:
+            for m in (ref, model): m[0].weight.data = m[0].weight.data.clone()
+        if 15 <= i < 20: ref[2].weight.grad = model[2].weight.grad = None
+        if i == 25: opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        ref_opt.step()
+        calls.clear()
+        opt.step()
+        assert sum(calls) == (3 if 15 <= i < 20 else 4), f'{cls} step {i}: the kernel stepped {calls} params'
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), f'{cls} step {i}: {n} differs'
+
+
+
+def test_kernel_refused_when_a_param_is_laid_out_again(monkeypatch) -> None:
+    """A weight transposed in memory after the plan is kept (its grads stay contiguous): torch's kernel would pair the
+    wrong elements, so its bucket (all four params) runs the chain from then on; the steps match torch's for-loop SGD."""
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    model = copy.deepcopy(ref)
+    opt = cbopt.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    opt.backend = Backend('fused', compiler='eager')  # (the chain's fallback: no code generation in a test)
+    calls = count_kernel_params(monkeypatch, '_fused_sgd_')
+    for i in range(12):
+        if i == 4:
+            for m in (ref, model): m[0].weight.data = m[0].weight.data.t().contiguous().t()
+        set_grads(ref, i), set_grads(model, i)
+        for m in (ref, model): m[0].weight.grad = m[0].weight.grad.contiguous()  # (autograd's follows the param's)
+        assert not model[0].weight.is_contiguous() or i < 4
+        ref_opt.step(), opt.step()
+        assert_rel_close(model, ref, rtol=1e-6, msg=f'step {i}')
+    assert calls == [4, 4, 4]  # (steps 1 to 3: step 0 creates the momentum buffers, with the chain)
