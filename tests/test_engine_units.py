@@ -544,3 +544,92 @@ def test_a_kernel_given_a_grad_scale_steps_as_torchs_clip_then_fused_adamw(monke
         assert_same_params(model, ref, f'step {i}')
         for p, (g, before) in zip(model.parameters(), given): assert p.grad is g and torch.equal(g, before)
     assert [opt.state[p]['step'] for p in model.parameters()] == [5] * 4
+
+
+def _count_fused_adamw(monkeypatch) -> list:
+    "A list that gets one entry per call of torch's `_fused_adamw_`."
+    calls, real = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _adam_steps(backend: str, steps: int = 4, group: dict | None = None, **kw) -> torch.Tensor:
+    "A 5-element param after `steps` Adam steps on fixed grads (its state created first: the kernel's case)."
+    p = torch.nn.Parameter(torch.linspace(-1., 1., 5))
+    opt = cbopt.Adam([{'params': [p], **(group or {})}], lr=0.1, backend=backend, **kw)
+    opt.init_state()
+    for i in range(steps):
+        p.grad = torch.tensor([1., -2., 3., 0.5, -0.25]) * (i + 1)
+        opt.step()
+    return p.detach()
+
+
+def test_a_tensor_valued_kernel_number_runs_the_chain(monkeypatch) -> None:
+    """torch's kernels take `mom`, `sqr_mom`, `eps` and `wd` as Python floats (a tensor lr aside): a tensor given as
+    one of them, here a `mom` that requires grad (as in hypergradient descent; the kernel refuses such a tensor), runs
+    the chain in the fused backend, which steps as the loop."""
+    calls = _count_fused_adamw(monkeypatch)
+    mom = torch.tensor(0.9, requires_grad=True)
+    got = _adam_steps('auto', mom=mom)
+    assert calls == []
+    torch.testing.assert_close(got, _adam_steps('loop', mom=mom), rtol=0, atol=0)
+    assert _adam_steps('auto').shape == (5,) and len(calls) == 4  # a float mom runs the kernel
+
+
+def test_an_adam_group_with_a_dampening_hyper_runs_the_chain(monkeypatch) -> None:
+    """A group's `dampening` hyper reaches Adam's moment callbacks (`average_grad`, `average_sqr_grad`): False leaves
+    both undamped, which torch's kernel does not compute (with eps=0.1 the update differs by a third), so the fused
+    backend runs the chain for that group and steps as the loop."""
+    calls = _count_fused_adamw(monkeypatch)
+    undamped = dict(group={'dampening': False}, eps=0.1)
+    got = _adam_steps('auto', **undamped)
+    assert calls == []
+    torch.testing.assert_close(got, _adam_steps('loop', **undamped), rtol=0, atol=0)
+    assert (got - _adam_steps('loop', eps=0.1)).abs().max() > 1e-2  # (the dampening changes the step)
+
+
+@pytest.mark.parametrize('clip', [False, True])
+def test_the_kernels_tensors_go_on_the_params_device_not_the_default_one(monkeypatch, clip) -> None:
+    """Under `with torch.device('meta')` (a default device, as when a model is built on meta) CPU params step with
+    torch's kernel as without it: its step count and the buffer of clipped grads (`clip_grad_norm`, on copies) are
+    made on the params' device."""
+    calls = _count_fused_adamw(monkeypatch)
+
+    def run(default_device: str) -> list:
+        m = torch.nn.Linear(4, 3)
+        grads = []
+        for i in range(3):
+            m.zero_grad()
+            m(torch.linspace(-1, 1, 8).view(2, 4) * (i + 1)).square().sum().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        with torch.device(default_device):
+            opt = cbopt.Adam(m.parameters(), lr=0.1, backend='fused')
+            if clip: opt = cbopt.GradientClippingOptimizer(opt, cbopt.GradientClipping.NORM, 0.05)
+            opt.init_state()
+            for gs in grads:
+                for p, g in zip(m.parameters(), gs): p.grad = g
+                opt.step()
+        return [p.detach() for p in m.parameters()]
+    torch.manual_seed(0)
+    expected = run('cpu')
+    calls.clear()
+    torch.manual_seed(0)
+    got = run('meta')
+    assert len(calls) == 3
+    for g, e in zip(got, expected, strict=True): torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_dtensor_params_step_with_torchs_adam_kernel(one_rank_mesh, monkeypatch) -> None:
+    """DTensor has a sharding rule for torch's Adam kernels (not for its SGD and Adagrad ones): params sharded as
+    DTensors step with `_fused_adamw_`, as plain params do, bit for bit."""
+    calls = _count_fused_adamw(monkeypatch)
+    w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))
+    plain = torch.nn.Parameter(torch.linspace(-1., 1., 6))
+    opts = [cbopt.Adam([q], lr=0.1, backend='fused') for q in (w, plain)]
+    for o in opts: o.init_state()
+    for i in range(3):
+        g = torch.linspace(-2., 3., 6) * (i + 1)
+        w.grad, plain.grad = _sharded(one_rank_mesh, g), g.clone()
+        for o in opts: o.step()
+    assert len(calls) == 6
+    torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=0, atol=0)
