@@ -96,3 +96,39 @@ def test_a_step_holds_no_grad_and_a_replaced_param_is_let_go() -> None:
     before = ps[1].detach().clone()
     opt.step()
     assert old.expired() and not torch.equal(ps[1], before)  # stepped in its new memory
+
+
+@pytest.mark.parametrize('kind', ['nadam', 'schedule_free_sgd'])
+def test_small_params_with_a_0d_state_entry_step_packed(kind) -> None:
+    """NAdam's `mu_product` and schedule-free's `weight_sum` and `lr_max`, a 0-d tensor per param: the small params
+    step packed while each such entry holds one value for all of them (the pack's own 0-d entry, its result copied
+    back to each), and apart once one param's differs (step 6 on: NAdam's `mu_product` halved, schedule-free's
+    `lr_max` raised, for one small param); 12 steps against the loop, params and state."""
+    g = torch.Generator().manual_seed(1)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(12)]
+    small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= compiled.PACK_NUMEL]
+    key = 'mu_product' if kind == 'nadam' else 'lr_max'
+    runs = {}
+    for backend in (cbopt.Backend('fused', compiler='eager', compile_chunk=4), 'loop'):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = (cbopt.NAdam(ps, lr=0.01, backend=backend) if kind == 'nadam' else
+               cbopt.ScheduleFreeSGD(ps, lr=0.5, warmup_steps=3, backend=backend).train())
+        packs = []
+        for step, gs in enumerate(grads):
+            for p, gr in zip(ps, gs): p.grad = gr.clone()
+            if step == 6: opt.state[ps[small[1]]][key].mul_(0.5 if kind == 'nadam' else 4.)
+            opt.step()
+            if backend != 'loop': packs.append([a.get('pack') for a in runtime(opt).flat_aliases.values()])
+        if backend != 'loop':  # (step 0 runs eagerly, creating the state; 1 to 5 packed, 6 on apart)
+            assert all(len(pk) == 1 and pk[0] is not None and pk[0].members == small for pk in packs[1:6])
+            assert all(pk == [None] for pk in packs[6:])
+        runs[backend if backend == 'loop' else 'fused'] = ps, opt
+    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
+    for a, b in zip(fused, loop):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+        for k, v in l_opt.state[b].items():
+            if isinstance(v, torch.Tensor):
+                assert f_opt.state[a][k].shape == v.shape, k
+                torch.testing.assert_close(f_opt.state[a][k], v, rtol=1e-6, atol=1e-6 * v.abs().max().item())
+            else: assert f_opt.state[a][k] == v, k

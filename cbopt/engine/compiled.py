@@ -10,7 +10,8 @@ fixed part): an elementwise chain (every callback declares scope 'element', so i
 steps flat 1-D aliases of its params, in runs of `compile_chunk`, each size its own symbol (no duck shaping), the
 last run padded with scratch params (`padding`): one graph, whatever the shapes. Each call costs about 0.3 ms of
 Python (dynamo, AOT, inductor) whatever its size, so small params (biases, norms) are packed into one flat param
-(`Pack`), and the aliases are kept between steps (`flat_inputs`): GPT-2 small's 148 params are 50 matrices and one
+(`Pack`; a 0-d state entry per param, NAdam's `mu_product`, goes with them while it holds one value for all), and
+the aliases are kept between steps (`flat_inputs`): GPT-2 small's 148 params are 50 matrices and one
 pack of 98, 1 graph of 8, 7 calls a step (19 unpacked). Other chains step params of one shape per chunk
 (`shape_chunks`).
 """
@@ -278,17 +279,19 @@ class Pack:
     Python whatever its params' sizes, and a model's biases and norms are most of its tensors (98 of GPT-2's 148):
     packed, they fill one place of a run instead of 98, for about as many bytes copied as they hold. Elementwise, so
     each element's numbers are those of the param stepped alone."""
-    def __init__(self, members: list[int], qs: list, tstates: list):
+    def __init__(self, members: list[int], qs: list, tstates: list, shared: tuple = ()):
         self.members = members  # the bucket's indices of the packed params (`qs`: their flat aliases)
         self.sizes = [q.numel() for q in qs]
-        self.keys = tuple(tstates[0])
+        self.shared = shared  # 0-d entries, one value for every member (`_one_value`): the pack's own 0-d entry
+        self.keys = tuple(k for k in tstates[0] if k not in shared)
         self.param = qs[0].new_empty(sum(self.sizes))
         self.state = {k: tstates[0][k].new_empty(len(self.param)) for k in self.keys}
         self.views = {k: buf.split(self.sizes) for k, buf in (('param', self.param), *self.state.items())}
 
-    def fits(self, members: list[int], qs: list, tstates: list) -> bool:
+    def fits(self, members: list[int], qs: list, tstates: list, shared: tuple = ()) -> bool:
         "Whether this pack's buffers serve these small params (the same sizes, state keys and dtypes)."
-        return (members == self.members and [q.numel() for q in qs] == self.sizes and tuple(tstates[0]) == self.keys
+        return (members == self.members and [q.numel() for q in qs] == self.sizes and shared == self.shared
+                and tuple(k for k in tstates[0] if k not in shared) == self.keys
                 and all(ts[k].dtype == v.dtype for ts in tstates for k, v in self.state.items()))
 
     def gather(self, qs: list, tstates: list, grads: list) -> tuple[torch.Tensor, dict]:
@@ -297,19 +300,41 @@ class Pack:
         torch.cat(qs, out=self.param)
         for k, buf in self.state.items(): torch.cat([ts[k] for ts in tstates], out=buf)
         self.param.grad = torch._utils._flatten_dense_tensors(grads)
-        return self.param, dict(self.state)
+        self.values = {k: tstates[0][k].clone() for k in self.shared}
+        return self.param, {**self.state, **self.values}
 
     def scatter(self, b: Bucket, new_t: Mapping) -> None:
         """The results back into each param and its state; an entry the chain rebound (`new_t`) gives each param its
-        own part of it (a copy: no two params' state share memory)."""
+        own part of it (a copy: no two params' state share memory), a shared 0-d entry its value."""
         torch._foreach_copy_(self.qs, self.views['param'])
         for k in self.keys:
             if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], self.views[k])
+        for k in self.shared:
+            if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
         for k, v in new_t.items():
-            parts = v.split(self.sizes) if v.shape == self.param.shape else [v] * len(self.members)
+            split = k not in self.shared and v.shape == self.param.shape
+            parts = v.split(self.sizes) if split else [v] * len(self.members)
             for i, part in zip(self.members, parts):
                 p = b.params[i]
-                b.states[i][k] = part.view(p.shape).clone() if part.numel() == p.numel() else part.clone()
+                b.states[i][k] = part.view(p.shape).clone() if split else part.clone()
+
+
+def _one_value(ts: list) -> bool:
+    """Whether the 0-d tensors `ts` hold one value, bit for bit: then one param stepped with it computes what each
+    would alone. Read on CPU only (elsewhere the read would wait for the device)."""
+    if ts[0].device.type != 'cpu' or any(t.dtype != ts[0].dtype for t in ts): return False
+    bits = torch.stack(ts).view(torch.uint8).view(len(ts), -1)
+    return bool((bits == bits[0]).all())
+
+
+def _shared_keys(b: Bucket, small: list[int]) -> tuple | None:
+    """The 0-d state entries of the small params `small` (NAdam's `mu_product`, schedule-free's `weight_sum`), if they
+    can step packed: the same keys for each, each one value (`_one_value`); None if they cannot."""
+    per = [tuple(k for k, v in b.states[i].items() if isinstance(v, torch.Tensor) and v.shape != b.params[i].shape)
+           for i in small]
+    if any(keys != per[0] for keys in per): return None
+    ok = all(b.states[i][k].ndim == 0 for i in small for k in per[0])
+    return per[0] if ok and all(_one_value([b.states[i][k] for i in small]) for k in per[0]) else None
 
 
 def _kept_alias(old: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
@@ -335,15 +360,16 @@ def flat_inputs(b: Bucket, kept: dict) -> tuple[list, list, list, Pack | None]:
         qs.append(q)
         tstates.append(ts)
         now[id(p)] = (q, ts)
-    # small params whose tensor state is all param-shaped (a 0-d entry per param cannot be packed), of one dtype a key
-    small = [i for i, p in enumerate(b.params) if p.numel() <= PACK_NUMEL
-             and all(v.shape == p.shape for v in b.states[i].values() if isinstance(v, torch.Tensor))]
+    # small params whose tensor state is param-shaped or 0-d with one value for all (`_shared_keys`), of one dtype a key
+    small = [i for i, p in enumerate(b.params) if p.numel() <= PACK_NUMEL]
     dtypes = {k: v.dtype for k, v in tstates[small[0]].items()} if small else {}
     if any(tstates[i][k].dtype != d for i in small for k, d in dtypes.items()): small = []
+    shared = _shared_keys(b, small) if len(small) > 1 else ()
+    if shared is None: small = []
     pack = kept.get('pack')
     if len(small) > 1:
         sq, sts = [qs[i] for i in small], [tstates[i] for i in small]
-        if pack is None or not pack.fits(small, sq, sts): pack = Pack(small, sq, sts)
+        if pack is None or not pack.fits(small, sq, sts, shared): pack = Pack(small, sq, sts, shared)
         now['pack'] = pack
         packed = set(small)
         p0, s0 = pack.gather(sq, sts, [b.params[i].grad for i in small])
