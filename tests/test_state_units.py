@@ -224,9 +224,9 @@ def test_a_checkpoint_without_any_whole_model_entry_is_rejected_and_torchs_keeps
 
 def last_flat_grads(params, last=None, history=None, **kwargs):
     """A whole-model callback keeping the grads flat over its group's params in their order (`flat_state`, as L-BFGS's
-    history): the last ones, and a list of the last two."""
+    history): the last ones, and a list of the two before them (None until the second step)."""
     flat = torch.cat([g.flatten() for tl in params for g in tl.grad])
-    return {'last': flat, 'history': [*(history or [])[-1:], flat]}
+    return {'last': flat, 'history': None if last is None else [*(history or [])[-1:], last]}
 last_flat_grads.scope = 'model'
 last_flat_grads.state = dict(last=None, history=None)
 last_flat_grads.flat_state = ('last', 'history')
@@ -250,18 +250,31 @@ def flat_opt(order: list[str], steps: int = 0) -> cbopt.Optimizer:
 def test_flat_whole_model_state_loads_in_this_groups_order() -> None:
     """A whole-model entry flat over the group's params (`cb.flat_state`), saved by a group listing them in one order,
     loads into the same group listing them in another (by name) as that group's own run makes it, each param's slice
-    moved; the other group is not part of it. Before any step the entries are None and load as None."""
-    saved = flat_opt(['0.weight', '0.bias', '1.weight'], steps=3)
-    for order in (['0.weight', '0.bias', '1.weight'], ['1.weight', '0.weight', '0.bias'], ['0.bias', '1.weight', '0.weight']):
-        want = flat_opt(order, steps=3).param_groups[0]
-        for sd in (saved.state_dict(), saved.named_state_dict()):
-            got = flat_opt(order, steps=1)
-            got.load_state_dict(sd)
-            g = got.param_groups[0]
-            assert torch.equal(g[FLAT[0]], want[FLAT[0]]), order
-            assert type(g[FLAT[1]]) is list and len(g[FLAT[1]]) == 2
-            assert all(torch.equal(a, b) for a, b in zip(g[FLAT[1]], want[FLAT[1]])), order
-            assert all(k not in got.param_groups[1] for k in FLAT)
+    moved; the other group is not part of it; an entry not created yet (None) stays None, the others are still
+    moved. A fastai-layout checkpoint (by position) carrying them loads them as they are. Before any step the entries
+    are None and load as None."""
+    orders = (['0.weight', '0.bias', '1.weight'], ['1.weight', '0.weight', '0.bias'], ['0.bias', '1.weight', '0.weight'])
+    for steps in (1, 3):  # after one step `history` is None, `last` is not
+        saved = flat_opt(orders[0], steps=steps)
+        for order in orders:
+            want = flat_opt(order, steps=steps).param_groups[0]
+            for sd in (saved.state_dict(), saved.named_state_dict()):
+                got = flat_opt(order, steps=2)
+                got.load_state_dict(sd)
+                g = got.param_groups[0]
+                assert torch.equal(g[FLAT[0]], want[FLAT[0]]), (steps, order)
+                if steps == 1: assert g[FLAT[1]] is None
+                else:
+                    assert type(g[FLAT[1]]) is list and len(g[FLAT[1]]) == 2
+                    assert all(torch.equal(a, b) for a, b in zip(g[FLAT[1]], want[FLAT[1]])), order
+                assert all(k not in got.param_groups[1] for k in FLAT)
+    # fastai's layout (params by position, no order within a group to undo) carrying them in its hypers: as they are
+    fastai = {'state': [{} for _ in saved.params],
+              'hypers': [{k: v for k, v in g.items() if k not in ('params', 'param_names', 'cbs', 'chain')}
+                         for g in saved.param_groups]}
+    same = flat_opt(['0.weight', '0.bias', '1.weight'])
+    same.load_state_dict(fastai)
+    assert torch.equal(same.param_groups[0][FLAT[0]], saved.param_groups[0][FLAT[0]])
     fresh = flat_opt(['1.weight', '0.weight', '0.bias'])
     fresh.load_state_dict(flat_opt(['0.weight', '0.bias', '1.weight']).state_dict())
     assert fresh.param_groups[0][FLAT[0]] is None and fresh.param_groups[0][FLAT[1]] is None
