@@ -633,3 +633,90 @@ def test_dtensor_params_step_with_torchs_adam_kernel(one_rank_mesh, monkeypatch)
         for o in opts: o.step()
     assert len(calls) == 6
     torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=0, atol=0)
+
+
+def _accumulating(**kw):
+    "A whole-model callback summing the grads into its per-param state `grad_sum` (made by `zeros`, a callable)."
+    def summing(params, grad_sum, **kwargs):
+        for tl, sums in zip(params, grad_sum): torch._foreach_add_(list(sums), list(tl.grad))
+    summing.scope, summing.state, summing.transient, summing.param_state = 'model', {}, (), dict(grad_sum=zeros)
+    for k, v in kw.items(): setattr(summing, k, v)
+    return summing
+
+
+@pytest.mark.parametrize('when', ['first step', 'init_state', 'joins a stepped chain'])
+def test_a_whole_model_callbacks_per_param_state_is_made_by_its_callable(when) -> None:
+    """`param_state = dict(grad_sum=zeros)`: each param's `'summing.grad_sum'` is made by calling `zeros` on it, by
+    the first step, by `init_state`, or, for a callback added to a chain whose params already have state (as a wrapper
+    adds one), by the next step; the callback keeps it: the sum of the grads it saw."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3, 1))
+    late = when == 'joins a stepped chain'
+    chain = [cbopt.average_grad, cbopt.momentum_step]  # (state of its own: the params have state before it joins)
+    opt = cbopt.Optimizer([a, b], ([] if late else [_accumulating()]) + chain, lr=0.1)
+    if when == 'init_state': opt.init_state()
+    if late:
+        a.grad, b.grad = torch.ones(2), torch.ones(3, 1)
+        opt.step()
+        opt.param_groups[0]['cbs'].insert(0, _accumulating())
+    for i in range(2):
+        a.grad, b.grad = torch.full((2,), i + 1.), torch.full((3, 1), 2. * (i + 1))
+        opt.step()
+    assert torch.equal(opt.state[a]['summing.grad_sum'], torch.full((2,), 3.))
+    assert torch.equal(opt.state[b]['summing.grad_sum'], torch.full((3, 1), 6.))
+
+
+def test_a_callback_after_the_chain_keeps_its_declared_state() -> None:
+    """A whole-model callback listed after the per-param chain returns its declared state (kept in the group,
+    reported in `step_stats`) and transient entries (reported only)."""
+    def counting(params, count, **kwargs): return {'count': count + 1, 'norm': 1.5}
+    counting.scope, counting.state, counting.transient = 'model', dict(count=0), ('norm',)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = cbopt.Optimizer([p], [cbopt.sgd_step, counting], lr=0.1)
+    for i in range(2):
+        p.grad = torch.ones(2)
+        opt.step()
+        assert opt.step_stats['count'] == i + 1 and opt.step_stats['norm'] == 1.5
+    assert opt.param_groups[0]['counting.count'] == 2 and 'counting.norm' not in opt.param_groups[0]
+
+
+def test_a_callback_that_uses_the_closure_gets_it_and_the_loss() -> None:
+    """`uses_closure = True` (as `lbfgs`): the callback gets `closure`, which re-evaluates the model (its grads are
+    the user's after the step), and `loss`, the closure's first value; without the flag it gets neither."""
+    seen = []
+    def evaluating(params, closure=None, loss=None, **kwargs): seen.append((loss, None if closure is None else closure()))
+    evaluating.scope, evaluating.state, evaluating.transient = 'model', {}, ()
+    for flag in (True, False):
+        evaluating.uses_closure = flag
+        p = torch.nn.Parameter(torch.tensor([2.]))
+        opt = cbopt.Optimizer([p], [evaluating, cbopt.sgd_step], lr=0.1)
+        def closure():
+            opt.zero_grad()
+            loss = (p * p).sum()
+            loss.backward()
+            return loss
+        seen.clear()
+        opt.step(closure)
+        if flag:
+            (loss, again), = seen
+            assert loss.item() == 4. and again.item() == 4.  # (the step comes after)
+        else: assert seen == [(None, None)]
+        torch.testing.assert_close(p.detach(), torch.tensor([2. - 0.1 * 4.]))
+
+
+def test_fused_sgd_with_its_defaults_is_torchs_fused_sgd_with_l2() -> None:
+    """`fused_sgd(b, hyper)` with its defaults (no momentum, L2 decay, no maximize) steps as torch's fused SGD with
+    `weight_decay`, bit for bit."""
+    from conftest import assert_same_params, make_model, set_grads
+    from cbopt.engine import kernels
+    from cbopt.hypers import Hypers
+    model, ref = make_model(), make_model()
+    opt = cbopt.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    for i in range(3):
+        set_grads(model, i), set_grads(ref, i)
+        for b in bucketing.buckets(opt):
+            run = kernels.fused_sgd(b, Hypers(b.group).snapshot())
+            assert run is not None
+            run()
+        ref_opt.step()
+        assert_same_params(model, ref, f'step {i}')

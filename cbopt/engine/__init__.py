@@ -130,17 +130,16 @@ def init_model_state(opt, plan: tuple | None = None) -> None:
 
 def _model_param_state(opt, cb, groups: list) -> None:
     """Before a whole-model callback with per-param state runs, every param it will see has its full state (as
-    `init_state` creates it: training on is exactly as without it), so its buffers exist."""
+    `init_state` creates it: training on is exactly as without it), so its buffers exist. (A param with state already
+    has the callback's entries: `run_step` gives them, `init_model_state`, before any callback runs.)"""
     from ..state.flags import split_flags
     from ..state.named import initial_state
-    keys = model_param_state(cb)
-    if not keys: return
+    if not model_param_state(cb): return
     for g in groups:
         for p in g['params']:
             if p.grad is None: continue
             st = opt.state[p]
             if not split_flags(st)[0]: st.update(initial_state(opt, p, g))
-            _fill_param_state(st, p, keys)
 
 
 def uses_closure(cb) -> bool:
