@@ -720,3 +720,39 @@ def test_fused_sgd_with_its_defaults_is_torchs_fused_sgd_with_l2() -> None:
             run()
         ref_opt.step()
         assert_same_params(model, ref, f'step {i}')
+
+
+def _breaks_graphs(p, **kwargs):
+    "A callback torch.compile cannot put in one graph (an explicit graph break); eagerly, nothing."
+    torch._dynamo.graph_break()
+
+
+def test_a_chain_that_cannot_compile_runs_foreach_with_one_warning() -> None:
+    """The compiled backend (dynamo's eager compiler here: no code generation) on a chain that does not compile with
+    `fullgraph=True`: one warning naming the failure, and every param steps with foreach, as the loop, at each step."""
+    ps, ref = [torch.nn.Parameter(torch.linspace(-1., 1., n)) for n in (3, 4)], [torch.linspace(-1., 1., n) for n in (3, 4)]
+    opt = cbopt.Optimizer(ps, [_breaks_graphs, cbopt.sgd_step], lr=0.1, backend=cbopt.Backend('fused', compiler='eager'))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for i in range(3):
+            for p, r in zip(ps, ref):
+                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
+                r.sub_(0.1 * p.grad)
+            opt.step()
+            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+    msgs = [str(x.message) for x in w if 'could not be compiled' in str(x.message)]
+    assert len(msgs) == 1 and msgs[0].endswith('running it with the foreach backend'), msgs
+
+
+def test_dtensor_params_of_a_chain_over_whole_tensors_run_foreach_in_the_compiled_backend(one_rank_mesh) -> None:
+    """A chain that reduces over whole params (LAMB's norms) is not compiled on shards: the compiled backend runs
+    foreach on DTensors, stepping as plain params do."""
+    w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))
+    plain = torch.nn.Parameter(torch.linspace(-1., 1., 6))
+    opt = cbopt.Lamb([w], lr=0.1, backend=cbopt.Backend('fused', compiler='eager'))
+    ref = cbopt.Lamb([plain], lr=0.1, backend='loop')
+    for i in range(3):
+        g = torch.linspace(-2., 3., 6) * (i + 1)
+        w.grad, plain.grad = _sharded(one_rank_mesh, g), g.clone()
+        opt.step(), ref.step()
+    torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=1e-6, atol=0)
