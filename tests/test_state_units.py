@@ -288,8 +288,9 @@ def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
     sd = flat_opt(['0.weight', '0.bias', '1.weight'], steps=2).named_state_dict()
     short = copy.deepcopy(sd)
     short['param_groups'][0][FLAT[0]] = short['param_groups'][0][FLAT[0]][:-1]
-    refused(opt, short, ValueError, f"whole-model callback state {FLAT[0]!r} (group 0) has shape (9,) in the "
-                                    f"state_dict, but this group's params have 10 elements: it is the state of other params")
+    for o in (opt, flat_opt(['0.weight', '0.bias', '1.weight'])):  # (in the order saved: still checked, the last key too)
+        refused(o, short, ValueError, f"whole-model callback state {FLAT[0]!r} (group 0) has shape (9,) in the "
+                                      f"state_dict, but this group's params have 10 elements: it is the state of other params")
     numbers = copy.deepcopy(sd)
     numbers['param_groups'][0][FLAT[1]] = [1.0, 2.0]
     refused(opt, numbers, ValueError, f"whole-model callback state {FLAT[1]!r} (group 0) has shape () in the "
@@ -299,6 +300,13 @@ def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
     g = regrouped['param_groups'][0]                            # the entries stay in the first, flat over all four
     regrouped['param_groups'] = [{**g, 'params': names[:2]}, {k: v for k, v in g.items() if k not in FLAT} | {'params': names[2:]}]
     refused(flat_opt(names[::-1]), regrouped, ValueError,
+            f"whole-model callback state {FLAT[1]!r} (group 0) is flat over the params of the state_dict's group 0, which "
+            f"are not this group's: it cannot be put in their order")
+    # first of one checkpoint group, then of another, at positions 0 and 1 of theirs: still other params than its own
+    mixed = flat_opt(['0.bias', '1.weight'], steps=2).named_state_dict()  # its flat entries: of the right length
+    entries = {k: mixed['param_groups'][0][k] for k in FLAT}
+    mixed['param_groups'] = [{'lr': 0.1, 'params': names[:2], **entries}, {'lr': 0.1, 'params': names[2:]}]  # no chains
+    refused(flat_opt(['0.bias', '1.weight']), mixed, ValueError,
             f"whole-model callback state {FLAT[1]!r} (group 0) is flat over the params of the state_dict's group 0, which "
             f"are not this group's: it cannot be put in their order")
 
@@ -789,6 +797,25 @@ def test_a_torch_class_checkpoint_holds_the_state_torchs_class_saves() -> None:
             for k, v in want[i].items():
                 scale = v.abs().max().clamp(min=1e-12)
                 assert (torch.as_tensor(got[i][k], dtype=v.dtype) - v).abs().max() <= 1e-6 * scale, (name, i, k)
+
+
+def test_do_wd_flags_of_a_chain_without_weight_decay_say_nothing_to_torch() -> None:
+    """A chain with no `wd` hyper at all (momentum SGD listed by hand) has nothing to say with fastai's `do_wd=False`:
+    its checkpoint for torch's SGD is the one torch's SGD saves after the same steps."""
+    theirs, ours = model(), model()
+    torch_opt = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    opt = cbopt.Optimizer(list(ours.named_parameters()), [cbopt.average_grad, cbopt.momentum_step], lr=0.1, mom=0.9)
+    assert 'wd' not in opt.hypers[0]
+    for p in opt.params: opt.state[p]['do_wd'] = p.ndim > 1  # as fastai's Learner sets it (wd_bn_bias=False)
+    for i in range(3):
+        grads(list(theirs.parameters()), i), grads(opt.params, i)
+        torch_opt.step(), opt.step()
+    want, got = torch_opt.state_dict(), opt.state_dict(format=torch.optim.SGD)
+    assert got['param_groups'][0]['weight_decay'] == want['param_groups'][0]['weight_decay'] == 0
+    assert sorted(got['state']) == sorted(want['state']) == [0, 1, 2, 3]
+    for i, s in want['state'].items():
+        v = s['momentum_buffer']
+        assert got['state'][i].keys() == s.keys() and (got['state'][i]['momentum_buffer'] - v).abs().max() <= 1e-6 * v.abs().max()
 
 
 def test_a_checkpoint_packed_by_torchs_own_state_dict_is_cbopts() -> None:
