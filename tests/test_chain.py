@@ -228,6 +228,8 @@ def test_fallback_warning_points_at_the_users_line(backend):
     with pytest.warns(UserWarning, match="callback 'branchy' cannot run on a whole bucket") as w:
         opt.step()
     assert w[0].filename == __file__
+    assert str(w[0].message) == ("callback 'branchy' cannot run on a whole bucket of params (e.g. Python control flow "
+                                 "on a tensor value); its buckets run param by param")
 
 
 def test_backend_options_are_per_optimizer():

@@ -756,3 +756,38 @@ def test_dtensor_params_of_a_chain_over_whole_tensors_run_foreach_in_the_compile
         w.grad, plain.grad = _sharded(one_rank_mesh, g), g.clone()
         opt.step(), ref.step()
     torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=1e-6, atol=0)
+
+
+def test_a_group_in_eval_mode_refuses_to_step_its_grads() -> None:
+    """Schedule-free's rule: a group in eval mode (`train_mode=False`: its params are the averaged weights) must not
+    step; a step with grads there raises and changes nothing, a group in eval mode without grads is no error."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = cbopt.SGD([[a], [b]], lr=0.1)
+    opt.param_groups[1]['train_mode'] = False
+    a.grad = torch.ones(2)
+    opt.step()  # (group 1 has no grad)
+    b.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match=r"^param group 1 is in eval mode \(its params are the averaged weights\): "
+                                           r"call opt.train\(\) before opt.step\(\)"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.full((2,), 0.9)) and torch.equal(b.detach(), torch.ones(2))
+
+
+def test_auto_scales_the_grads_inside_torchs_kernel(monkeypatch) -> None:
+    """`auto`, as `fused`, hands `clip_grad_norm`'s coefficient to torch's kernel: no separate multiply of the grads
+    (`_foreach_mul`), the user's grads left as they were."""
+    calls = _count_fused_adamw(monkeypatch)
+    real = torch._foreach_mul
+    monkeypatch.setattr(torch, '_foreach_mul', lambda *a, **k: pytest.fail('the grads were scaled outside the kernel'))
+    m = torch.nn.Linear(4, 3)
+    opt = cbopt.GradientClippingOptimizer(cbopt.Adam(m.parameters(), lr=0.1, backend='auto'),
+                                          cbopt.GradientClipping.NORM, 0.05)
+    opt.init_state()
+    for i in range(2):
+        m.zero_grad()
+        m(torch.linspace(-1, 1, 8).view(2, 4) * (i + 1)).square().sum().backward()
+        given = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        assert opt.step_stats['grad_norm'] > 0.05  # (it clipped)
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), given))
+    assert len(calls) == 2 and real is not torch._foreach_mul
