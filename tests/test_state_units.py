@@ -284,7 +284,7 @@ def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
     """A flat entry of another length than the group's params, one that is not a tensor, or one saved by a group of
     other params (grouped otherwise: it cannot be put in this group's order) is refused naming the entry and group,
     and the load changes nothing."""
-    opt = flat_opt(['1.weight', '0.weight', '0.bias'])  # (stepped, its own entries' shapes would be checked first)
+    opt = flat_opt(['1.weight', '0.weight', '0.bias'])  # not stepped: a stepped one's own entries are checked first
     sd = flat_opt(['0.weight', '0.bias', '1.weight'], steps=2).named_state_dict()
     short = copy.deepcopy(sd)
     short['param_groups'][0][FLAT[0]] = short['param_groups'][0][FLAT[0]][:-1]
