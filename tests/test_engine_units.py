@@ -791,3 +791,15 @@ def test_auto_scales_the_grads_inside_torchs_kernel(monkeypatch) -> None:
         assert opt.step_stats['grad_norm'] > 0.05  # (it clipped)
         assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), given))
     assert len(calls) == 2 and real is not torch._foreach_mul
+
+
+def test_a_step_gradscaler_found_infs_in_changes_nothing_and_says_so() -> None:
+    """GradScaler sets `opt.found_inf` (and the scale) before calling `opt.step()`: a nonzero one skips the step
+    (params and state unchanged), reported in `step_stats` with each group's lr."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = cbopt.Adam([{'params': [a], 'lr': 0.1}, {'params': [b], 'lr': 0.2}])
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    opt.found_inf, opt.grad_scale = torch.tensor(1.), torch.tensor(4.)
+    opt.step()
+    assert opt.step_stats == {'lr': [0.1, 0.2], 'skipped': True, 'skipped_by': 'GradScaler'}
+    assert torch.equal(a.detach(), torch.ones(2)) and torch.equal(b.detach(), torch.ones(2)) and not opt.state[a]
