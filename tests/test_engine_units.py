@@ -701,6 +701,10 @@ def test_a_callback_that_uses_the_closure_gets_it_and_the_loss() -> None:
             assert loss.item() == 4. and again.item() == 4.  # (the step comes after)
         else: assert seen == [(None, None)]
         torch.testing.assert_close(p.detach(), torch.tensor([2. - 0.1 * 4.]))
+    evaluating.uses_closure = True
+    with pytest.raises(RuntimeError, match=r"^evaluating re-evaluates the model several times per step: call "
+                                           r"opt\.step\(closure\)"):
+        opt.step()
 
 
 def test_fused_sgd_with_its_defaults_is_torchs_fused_sgd_with_l2() -> None:
