@@ -44,6 +44,7 @@ them (`split_chain`). Its declarations:
 - `cb.flat_state = ('d', 'old_dirs')`: entries of its state that are flat vectors over the params of the group keeping
   them (each param's real view flattened, `flat_size` elements, one after the other in the group's order; or lists of
   such vectors: L-BFGS's history), so a checkpoint whose params come in another order loads them in this order;
+  such a callback is listed by one group only (`engine.model_plan` refuses it in several: whose params would it span?);
 - `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
 - returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
   returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);

@@ -12,7 +12,7 @@ backend (loop, foreach, fused, auto) runs the same whole-model code. torch's str
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.optim.lbfgs import _strong_wolfe
 
 from .hypers import check_hyper
 from .optimizer import Optimizer
+from .params import named_groups
 
 __all__ = ['lbfgs', 'LBFGS']
 
@@ -157,8 +158,9 @@ def LBFGS(params: Any, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eva
     if max_eval is None: max_eval = max_iter * 5 // 4
     if isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1:
         raise ValueError(f"Invalid max_eval value: {max_eval} (expected an int >= 1)")
+    if not isinstance(params, (torch.Tensor, Mapping)): params = list(params)  # (a generator: read once, here)
+    if len(named_groups(params)) > 1: raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
     opt = Optimizer(params, [lbfgs], lr=lr, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
                     tolerance_change=tolerance_change, history_size=history_size, line_search_fn=line_search_fn,
                     backend=backend)
-    if len(opt.param_groups) != 1: raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
     return opt

@@ -133,6 +133,7 @@ class Optimizer(torch.optim.Optimizer):
             fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
         for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
+        engine.model_plan([*self.param_groups, g])  # (refuses a chain that cannot join the others: before it does)
         self.param_groups.append(g)
         if not self._building:
             if self.group_layers is not None:  # a layer group of its own

@@ -311,6 +311,34 @@ def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
             f"are not this group's: it cannot be put in their order")
 
 
+def test_flat_whole_model_state_in_several_groups_is_refused_before_anything_changes() -> None:
+    """A callback with state flat over its group's params (`flat_state`) listed by two groups would keep one vector over
+    both groups' params in the first's entries, which no checkpoint could load back (whose params, in what order):
+    refused, naming the callback and the groups, when the optimizer is made, when a group listing it is added (the
+    optimizer unchanged), and at the step when a shared chain gets it later (fastai-style), before anything changes."""
+    named = list(model().named_parameters())
+    flat_chain = [last_flat_grads, cbopt.sgd_step]
+    message = ("last_flat_grads keeps state flat over its group's params (last, history), but param groups [0, 1] list "
+               "it: give it one group (its own chain in a group dict), or make one group of those params")
+    with pytest.raises(ValueError) as e: cbopt.Optimizer([named[:2], named[2:]], flat_chain, lr=0.1)
+    assert str(e.value) == message
+    opt = cbopt.Optimizer([{'params': named[:2], 'cbs': flat_chain}], [cbopt.sgd_step], lr=0.1)
+    with pytest.raises(ValueError) as e: opt.add_param_group({'params': named[2:], 'cbs': flat_chain})
+    assert str(e.value) == message
+    assert len(opt.param_groups) == 1 and len(opt.params) == 2
+    opt.add_param_group({'params': named[2:]})  # the optimizer's own chain: allowed, and both groups step
+    shared = cbopt.Optimizer([named[:2], named[2:]], [cbopt.sgd_step], lr=0.1)
+    grads([p for _, p in named], 0)
+    shared.cbs.insert(0, last_flat_grads)  # (fastai's way of adding a callback: every group without its own chain)
+    before = [p.detach().clone() for _, p in named]
+    with pytest.raises(ValueError) as e: shared.step()
+    assert str(e.value) == message
+    assert all(torch.equal(p, b) for (_, p), b in zip(named, before)) and not any(shared.state[p] for _, p in named)
+    shared.cbs.pop(0)
+    shared.step()
+    assert not any(torch.equal(p, b) for (_, p), b in zip(named, before))
+
+
 def test_canonical_names_drop_wrapper_prefixes() -> None:
     """torch.compile's and the checkpoint wrappers' prefixes go wherever they are; DDP's `module.` only when it starts
     every name, and never leaving a name empty."""

@@ -91,16 +91,25 @@ def check_grads(opt) -> None:
                 raise TypeError(f"param {name!r} has dtype {p.dtype} but its grad has dtype {grad.dtype}")
 
 
-def model_plan(opt) -> tuple[list, list]:
-    """The whole-model callbacks of `opt`'s chains, as `[(cb, [groups listing it])]`: those listed before the per-param
-    callbacks, and those after. One callback listed by several groups (a wrapper's, or the optimizer's shared chain)
-    runs once per step, over all their params."""
+def model_plan(groups: list) -> tuple[list, list]:
+    """The whole-model callbacks of the chains of param groups `groups` (an optimizer's), as `[(cb, [groups listing
+    it])]`: those listed before the per-param callbacks, and those after. One callback listed by several groups (a
+    wrapper's, or the optimizer's shared chain) runs once per step, over all their params; one with state flat over
+    its group's params (`cb.flat_state`, L-BFGS's history) is refused in several: whose params it spans, and in
+    which order, a checkpoint could not tell."""
     pre: dict = {}
     post: dict = {}
-    for g in opt.param_groups:
+    for g in groups:
         before, _, after = split_chain(g['cbs'])
         for where, cbs in ((pre, before), (post, after)):
             for cb in cbs: where.setdefault(_cb_sig(cb), (cb, []))[1].append(g)
+    for cb, listing in [*pre.values(), *post.values()]:
+        flat = getattr(unwrap(cb), 'flat_state', ())
+        if flat and len(listing) > 1:
+            where = [next(i for i, g in enumerate(groups) if g is l) for l in listing]
+            raise ValueError(f"{cb_name(cb)} keeps state flat over its group's params ({', '.join(flat)}), but param "
+                             f"groups {where} list it: give it one group (its own chain in a group dict), or make one "
+                             "group of those params")
     return list(pre.values()), list(post.values())
 
 
@@ -117,7 +126,7 @@ def init_model_state(opt, plan: tuple | None = None) -> None:
     """Give each whole-model callback its declared state (in the entries of the first group listing it) and each of
     its params with state its declared per-param state, where missing (a new optimizer, a wrapped one, a new group)."""
     from ..state.flags import split_flags
-    pre, post = plan or model_plan(opt)
+    pre, post = plan or model_plan(opt.param_groups)
     for cb, groups in [*pre, *post]:
         for k, v in _declared(cb, 'state').items(): groups[0].setdefault(model_key(cb, k), v)
         per_param = model_param_state(cb)
@@ -208,7 +217,7 @@ def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
         opt.step_stats = {'lr': [Hypers(g).snapshot().get('lr') for g in opt.param_groups], 'skipped': True,
                           'skipped_by': 'GradScaler'}
         return
-    plan = model_plan(opt)
+    plan = model_plan(opt.param_groups)
     if not (plan[0] or plan[1]):
         snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
         _run_buckets(opt, snapshots, check=True, loss_scale=loss_scale)
@@ -236,7 +245,7 @@ def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
 
 
 def _run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None:
-    "`run_step` with whole-model callbacks (`plan`: `model_plan(opt)`; `evaluation`: see `_run_model_cb`)."
+    "`run_step` with whole-model callbacks (`plan`: `model_plan(opt.param_groups)`; `evaluation`: see `_run_model_cb`)."
     overrides: dict = {}
     snapshots = {id(g): _hypers(g, overrides) for g in opt.param_groups}
     stats: dict = {'skipped': False}
