@@ -187,7 +187,7 @@ def test_whole_model_state_is_checked_and_converted_entry_by_entry() -> None:
                                     "from the state_dict")
     text = src.named_state_dict()
     text['param_groups'][0]['skip_nonfinite.skipped_total'] = 'one'
-    refused(opt, text, TypeError, "state 'skip_nonfinite.skipped_total' of param 'group 0' is a str in the state_dict, "
+    refused(opt, text, TypeError, "whole-model callback state 'skip_nonfinite.skipped_total' (group 0) is a str in the state_dict, "
                                   "a number here")
     for saved in (4.0, torch.tensor(4)):
         sd = src.named_state_dict()

@@ -317,22 +317,23 @@ def _in_our_order(where: str, entries: dict, group: Mapping, saved: list[Saved],
     return out
 
 
-def _load_value(name: str, key: str, value: Any, like: Any) -> Any:
-    "`value` from a checkpoint made like `like` (this optimizer's own value): same kind, shape, device and dtype."
+def _load_value(what: str, value: Any, like: Any) -> Any:
+    """`value` from a checkpoint made like `like` (this optimizer's own value): same kind, shape, device and dtype.
+    `what` names it in errors (`state 'mom' of param '0.weight'`, `whole-model callback state 'warmup.iter' (group 0)`)."""
     if isinstance(like, torch.Tensor):
         if isinstance(value, Number) and not isinstance(value, bool) and like.ndim == 0:  # a number kept as a 0-d tensor
             return torch.tensor(value, dtype=like.dtype, device=like.device)  # now (schedule-free's sums): old checkpoints
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state {key!r} of param {name!r} is a {type(value).__name__} in the state_dict, a Tensor here")
+            raise TypeError(f"{what} is a {type(value).__name__} in the state_dict, a Tensor here")
         if value.shape != like.shape:
-            raise ValueError(f"state {key!r} of param {name!r} has shape {tuple(value.shape)} in the state_dict, "
+            raise ValueError(f"{what} has shape {tuple(value.shape)} in the state_dict, "
                              f"{tuple(like.shape)} here")
         if (value.is_floating_point(), value.is_complex()) != (like.is_floating_point(), like.is_complex()):
-            raise TypeError(f"state {key!r} of param {name!r} has dtype {value.dtype} in the state_dict, {like.dtype} here")
+            raise TypeError(f"{what} has dtype {value.dtype} in the state_dict, {like.dtype} here")
         return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(like, Number): value = value.item()
     if isinstance(like, Number) and not isinstance(value, Number):
-        raise TypeError(f"state {key!r} of param {name!r} is a {type(value).__name__} in the state_dict, a number here")
+        raise TypeError(f"{what} is a {type(value).__name__} in the state_dict, a number here")
     return type(like)(value) if isinstance(like, Number) and not isinstance(like, bool) else _copied(value)
 
 
@@ -373,7 +374,7 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                                                   f"but this optimizer keeps no state for it")
                 raise ValueError(f"param {name!r} has state keys {sorted(saved)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
-            new_state[p] = {key: _load_value(name, key, saved[key], expected[key]) for key in expected}
+            new_state[p] = {key: _load_value(f"state {key!r} of param {name!r}", saved[key], expected[key]) for key in expected}
     groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
     for i, h in enumerate(hypers):  # a corrupt checkpoint must not load a NaN lr
@@ -404,4 +405,4 @@ def _model_entries(where: str, theirs: Mapping, ours: Mapping) -> dict:
                                          f"this optimizer keeps {sorted(ours) or 'none'} there")
     for k in ours:
         if k not in theirs: raise KeyError(f"whole-model callback state {k!r} ({where}) is missing from the state_dict")
-    return {k: None if theirs[k] is None else _load_value(where, k, theirs[k], ours[k]) for k in ours}  # None: not yet
+    return {k: None if theirs[k] is None else _load_value(f"whole-model callback state {k!r} ({where})", theirs[k], ours[k]) for k in ours}  # None: not yet
