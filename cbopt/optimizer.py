@@ -229,6 +229,7 @@ class Optimizer(torch.optim.Optimizer):
             if p in self.state: self.state[p] = {k: v for k, v in self.state[p].items() if k in self._keep_on_clear}
         for g in self.param_groups:
             for k in [k for k in g if is_model_entry(k)]: del g[k]
+        engine.forget_state(self)
         engine.init_model_state(self)
 
     def init_state(self) -> None:
@@ -331,6 +332,7 @@ class Optimizer(torch.optim.Optimizer):
         def commit() -> None:
             for p in self.params: self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
             for g, h in zip(self.param_groups, new_hypers): g.update(h)
+            engine.forget_state(self)
             _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
         return commit
 

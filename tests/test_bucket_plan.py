@@ -217,3 +217,27 @@ def test_kernel_refused_when_a_param_is_laid_out_again(monkeypatch) -> None:
         ref_opt.step(), opt.step()
         assert_rel_close(model, ref, rtol=1e-6, msg=f'step {i}')
     assert calls == [4, 4, 4]  # (steps 1 to 3: step 0 creates the momentum buffers, with the chain)
+
+
+@pytest.mark.parametrize('change', ['load', 'clear_state'])
+@pytest.mark.parametrize('backend', ['foreach', Backend('fused', compiler='eager')])
+def test_the_old_state_is_freed_by_a_load_or_clear_state(backend, change) -> None:
+    """Neither the bucket plan nor the compiled chain's flat aliases keep the old state tensors alive once the state is
+    loaded or cleared (a resumed run would hold its state twice until its next step); the next step is the loop's."""
+    import gc, weakref
+    model, ref = make_model(), make_model()
+    opt = cbopt.Lion(model.parameters(), lr=0.01, backend=backend)  # (fused: its compiled chain, flat aliases kept)
+    ref_opt = cbopt.Lion(ref.parameters(), lr=0.01, backend='loop')
+    train(opt, model, 3)
+    train(ref_opt, ref, 3)
+    old = [weakref.ref(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    assert len(old) == len(list(model.parameters())) and plan(opt) is not None
+    if change == 'load': opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    else:
+        opt.clear_state()
+        ref_opt.clear_state()
+    gc.collect()
+    assert all(r() is None for r in old)
+    train(opt, model, 2, start=3)
+    train(ref_opt, ref, 2, start=3)
+    assert_rel_close(model, ref)

@@ -33,8 +33,10 @@ from .compiled import fused_bucket
 from . import traced
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import has_kernel, register_kernel, torch_kernel
+from .runtime import forget_state
 
-__all__ = ['BACKENDS', 'Backend', 'as_backend', 'run_step', 'register_kernel', 'Bucket', 'model_plan', 'init_model_state']
+__all__ = ['BACKENDS', 'Backend', 'as_backend', 'run_step', 'register_kernel', 'Bucket', 'model_plan', 'init_model_state',
+           'forget_state']
 
 BACKENDS = ('auto', 'loop', 'foreach', 'fused')
 

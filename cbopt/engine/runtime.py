@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-__all__ = ['runtime', 'warn_once', 'user_stacklevel']
+__all__ = ['runtime', 'forget_state', 'warn_once', 'user_stacklevel']
 
 
 class Runtime:
@@ -31,6 +31,16 @@ _RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def runtime(opt) -> Runtime:
     if opt not in _RUNTIME: _RUNTIME[opt] = Runtime()
     return _RUNTIME[opt]
+
+
+def forget_state(opt) -> None:
+    """Drop what the engine holds of `opt`'s state between steps (the bucket plan's state dicts, the compiled chain's
+    flat aliases of state tensors): once the state is loaded or cleared, they would keep the old tensors alive until
+    the next step, twice the state's memory where a checkpoint is loaded to resume."""
+    rt = _RUNTIME.get(opt)
+    if rt is not None:
+        rt.bucket_plan = None
+        rt.flat_aliases.clear()
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules['cbopt'], torch))
