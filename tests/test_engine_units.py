@@ -194,6 +194,11 @@ def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> 
     with ScalarArgsAsTensors(scalars_once): got = x.lerp(y, w)
     torch.testing.assert_close(got, x.lerp(y, w), rtol=1e-15, atol=0)
     assert [v is w for v in barriers] == ([True] if scalars_once else [])
+    for op, number in ((lambda: x.add(y, alpha=0.7), 0.7), (lambda: torch.sub(x, y, alpha=-2.), -2.),
+                       (lambda: x.addcmul(y, z, value=0.25), 0.25), (lambda: torch.addcdiv(x, y, z + 5, value=-3.), -3.)):
+        barriers.clear()  # an `alpha=`/`value=` number: once, as a float64 0-d tensor (read at Python's precision)
+        with ScalarArgsAsTensors(scalars_once): op()
+        assert [(v.item(), v.dtype) for v in barriers] == ([(number, torch.float64)] if scalars_once else [])
 
 
 # -- step stats and whole-model contract ------------------------------------------------------------------------
@@ -807,3 +812,310 @@ def test_a_step_gradscaler_found_infs_in_changes_nothing_and_says_so() -> None:
     opt.step()
     assert opt.step_stats == {'lr': [0.1, 0.2], 'skipped': True, 'skipped_by': 'GradScaler'}
     assert torch.equal(a.detach(), torch.ones(2)) and torch.equal(b.detach(), torch.ones(2)) and not opt.state[a]
+
+
+# -- the compiled chain's Python, compiled with dynamo's `eager` backend (no code generation: a second or two each) --
+
+def _close_each(actual: list, expected: list, rtol: float = 1e-6, what: str = '') -> None:
+    "Each tensor within `rtol` of its counterpart's own largest magnitude."
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        a, e = a.detach().double(), e.detach().double()
+        assert a.shape == e.shape, f'{what} tensor {i}: shape {tuple(a.shape)} != {tuple(e.shape)}'
+        err, scale = (a - e).abs().max().item() if a.numel() else 0., e.abs().max().item() if e.numel() else 0.
+        assert err <= rtol * scale, f'{what} tensor {i}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}'
+
+
+EAGER = cbopt.Backend('fused', compiler='eager', compile_chunk=4)
+SMALL_AND_LARGE = [(130, 130), (5,), (3, 4), (7,), (2, 2, 2), (1,), (6,)]  # one param above PACK_NUMEL, six packed
+
+
+def _params_and_grads(shapes: list, steps: int, seed: int = 0) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes], [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+@pytest.mark.parametrize('name', ['Adamax', 'NAdam'])
+def test_small_params_step_packed_as_torch_does(name) -> None:
+    """Six small params (each at most `PACK_NUMEL` elements) step as one packed flat param next to a large one:
+    Adamax (param-shaped state only) and NAdam (its 0-d `mu_product`, one value for all, goes with the pack), as torch.optim's over
+    5 steps, each param and state entry within 1e-6 of its own scale; the pack is made once and reused."""
+    start, grads = _params_and_grads(SMALL_AND_LARGE, 5)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = getattr(cbopt, name)(ps, lr=0.01, backend=EAGER), getattr(torch.optim, name)(qs, lr=0.01)
+    packs = []
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref.step()
+        _close_each(ps, qs, what=name)
+        packs += [kept['pack'] for kept in cbopt.engine.runtime.runtime(opt).flat_aliases.values() if 'pack' in kept]
+    assert len(packs) == 4 and all(pk is packs[0] for pk in packs)  # (the first step is eager: it makes the state)
+    assert sorted(packs[0].members) == [1, 2, 3, 4, 5, 6]
+    for key, theirs in (('grad_avg', 'exp_avg'), ('sqr_avg', 'exp_avg_sq') if name == 'NAdam' else ('inf_norm', 'exp_inf')):
+        _close_each([opt.state[p][key] for p in ps], [ref.state[q][theirs] for q in qs], what=key)
+    if name == 'NAdam':
+        _close_each([opt.state[p]['mu_product'] for p in ps], [ref.state[q]['mu_product'] for q in qs], what='mu_product')
+        assert len({opt.state[p]['mu_product'].data_ptr() for p in ps}) == len(ps)  # each param's own
+
+
+def _rebinding_sgd(p, lr, mom, grad_avg=None, **kwargs):
+    "SGD with momentum whose average is a new tensor at every step (out of place), as a user's callback may do."
+    grad_avg = p.grad.data.clone() if grad_avg is None else grad_avg * mom + p.grad.data
+    p.data.add_(grad_avg, alpha=-lr)
+    return {'grad_avg': grad_avg}
+_rebinding_sgd.state = dict(grad_avg=None)
+
+
+def test_a_packed_chain_that_rebinds_its_state_gives_each_param_its_own() -> None:
+    """A chain that makes its state anew at each step, on packed small params: each param gets its own part of the
+    packed result, of its shape and in memory of its own, as torch's SGD with momentum computes it."""
+    start, grads = _params_and_grads(SMALL_AND_LARGE, 4, seed=1)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Optimizer(ps, [_rebinding_sgd], lr=0.1, mom=0.9, backend=EAGER)
+    ref = torch.optim.SGD(qs, lr=0.1, momentum=0.9)
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref.step()
+    _close_each(ps, qs)
+    _close_each([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
+    assert len({opt.state[p]['grad_avg'].data_ptr() for p in ps}) == len(ps)
+
+
+def test_pack_fits_only_the_same_params_sizes_keys_and_dtypes() -> None:
+    "A kept `Pack` serves a step only if the small params are the same ones, of the same sizes, state keys and dtypes."
+    qs = [torch.zeros(3), torch.zeros(2)]
+    ts = [{'a': torch.zeros(3), 'n': torch.zeros(())}, {'a': torch.zeros(2), 'n': torch.zeros(())}]
+    pack = compiled.Pack([0, 2], qs, ts, ('n',))
+    assert pack.fits([0, 2], qs, ts, ('n',))
+    assert not pack.fits([0, 1], qs, ts, ('n',))                                   # other params
+    assert not pack.fits([0, 2], [torch.zeros(2), torch.zeros(3)], ts, ('n',))      # other sizes
+    assert not pack.fits([0, 2], qs, ts, ())                                       # 'n' no longer shared
+    assert not pack.fits([0, 2], qs, [{'b': t['a'], 'n': t['n']} for t in ts], ('n',))  # other keys
+    assert not pack.fits([0, 2], qs, [ts[0], {'a': torch.zeros(2, dtype=torch.float64), 'n': ts[1]['n']}], ('n',))
+
+
+def test_a_bucket_that_cannot_be_flattened_steps_by_shape() -> None:
+    """Compiled steps of a bucket with a transposed (not contiguous) grad, which cannot step as flat aliases: by
+    shape, as torch's Adamax."""
+    shapes = [(4, 3), (4, 3), (5,)]
+    start, grads = _params_and_grads(shapes, 3, seed=2)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = cbopt.Adamax(ps, lr=0.01, backend=EAGER), torch.optim.Adamax(qs, lr=0.01)
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        ps[0].grad = gs[0].t().contiguous().t()  # (3, 4) memory seen as (4, 3)
+        assert not can_flatten(bucketing.buckets(opt)[0])
+        opt.step()
+        ref.step()
+        _close_each(ps, qs)
+    _close_each([opt.state[p]['inf_norm'] for p in ps], [ref.state[q]['exp_inf'] for q in qs])
+
+
+def test_flat_aliases_are_kept_between_steps_and_made_again_for_new_memory() -> None:
+    """The flat aliases of the params and their state are made once and kept (no new alias at the next step); a param
+    given new memory (`p.data = ...`) gets a new alias, and its new tensor is the one stepped, as torch's Adamax does.
+    The grads' aliases are not kept: a step leaves nothing holding a grad's memory once `zero_grad` drops it. A new lr
+    at every step, and Adamax's `addcdiv_(..., value=-lr / debias(step))`, compile nothing new: one graph."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    start, grads = _params_and_grads([(17000,), (130, 140), (16500,)], 5, seed=3)  # (not packed)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = cbopt.Adamax(ps, lr=0.01, backend=EAGER), torch.optim.Adamax(qs, lr=0.01)
+    kept = []
+    torch._dynamo.reset()
+    before = _graphs()
+    for i, gs in enumerate(grads):
+        if i == 3:
+            ps[1].data, qs[1].data = ps[1].data.clone(), qs[1].data.clone()
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.set_hyper('lr', 0.01 / (i + 1))
+        ref.param_groups[0]['lr'] = 0.01 / (i + 1)
+        opt.step()
+        ref.step()
+        _close_each(ps, qs, what=f'step {i}')
+        (aliases,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values() if i else ({},)
+        kept.append({k: (q, dict(ts)) for k, (q, ts) in aliases.items() if k != 'pack'})
+    for i in (2, 3, 4):  # (step 0 is eager; 1 makes the aliases)
+        for k, (q, ts) in kept[i].items():
+            new_memory = i == 3 and k == id(ps[1])
+            assert (q is kept[i - 1][k][0]) != new_memory, (i, k)
+            assert all(v is kept[i - 1][k][1][n] for n, v in ts.items())  # state: the same tensors, the same aliases
+    assert _graphs() - before == 1
+    grads = [StorageWeakRef(p.grad.untyped_storage()) for p in ps]
+    opt.zero_grad()
+    assert all(g.expired() for g in grads)
+
+
+# -- the step traced by an outer torch.compile (`traced.py`) ------------------------------------------------------
+
+def _two_groups(make, lrs=(0.01, 0.02), seed=4) -> tuple[list, object]:
+    "Two groups of two params each (the second group's last param never gets a grad), made from one seed."
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((3, 2), (4,), (5,), (2,))]
+    return ps, make([{'params': ps[:2], 'lr': lrs[0]}, {'params': ps[2:], 'lr': lrs[1]}])
+
+
+def _set_grads(ps: list, i: int) -> None:
+    for j, p in enumerate(ps[:3]): p.grad = torch.linspace(-1., 2., p.numel()).view(p.shape) * (i + 1) + j
+
+
+def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
+    """What dynamo traces (`can_trace`, then `traced_step`), run eagerly: per param, each group with its own lr, as
+    torch's Adam over 4 steps (a param without a grad left alone); the counts become 0-d float64 tensors, and an
+    eager step after it goes on from them."""
+    from cbopt.engine import traced
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, sqr_mom=0.999, eps=1e-8, wd=0.1, decouple_wd=False, backend='loop'))
+    qs, ref = _two_groups(lambda gs: torch.optim.Adam(gs, weight_decay=0.1))
+    untouched = ps[3].detach().clone()
+    for i in range(5):
+        _set_grads(ps, i)
+        _set_grads(qs, i)
+        if i < 4:
+            assert traced.can_trace(opt)
+            traced.traced_step(opt)
+            assert opt.step_stats == {'lr': [0.01, 0.02], 'skipped': False}
+        else: opt.step()
+        ref.step()
+        _close_each(ps, qs, what=f'step {i}')
+        if i < 4:
+            steps = [opt.state[p]['step'] for p in ps[:3]]
+            assert all(s.dtype == torch.float64 and s.ndim == 0 and s.item() == i + 1 for s in steps), steps
+    assert torch.equal(ps[3], untouched) and not opt.state[ps[3]]
+    _close_each([opt.state[p]['sqr_avg'] for p in ps[:3]], [ref.state[q]['exp_avg_sq'] for q in qs[:3]])
+
+
+def _refusing(case: str, mesh=None):
+    if case == 'radam': return _two_groups(lambda gs: cbopt.RAdam(gs, backend='loop'))  # `if r > 5` on the count
+    if case == 'clip':  # a whole-model callback
+        return _two_groups(lambda gs: cbopt.Optimizer(gs, [cbopt.clip_grad_norm, cbopt.sgd_step], max_norm=1.))
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, backend='loop'))
+    if case == 'found_inf': opt.found_inf = torch.zeros(())
+    if case == 'grad_scale': opt.grad_scale = torch.ones(())
+    if case == 'eval': opt.param_groups[1]['train_mode'] = False
+    return ps, opt
+
+
+@pytest.mark.parametrize('case', ['radam', 'clip', 'found_inf', 'grad_scale', 'eval', 'dtensor', 'adam'])
+def test_can_trace_refuses_what_only_the_eager_step_does_and_changes_nothing(case, one_rank_mesh) -> None:
+    """`can_trace` (run as dynamo traces a step) refuses a chain reading a Python value of a tensor, a whole-model
+    callback, GradScaler's flags, a group in eval mode and DTensor params, and then changes nothing (no state, no
+    param moved); it accepts Adam and creates its state, the count a 0-d float64 tensor, without stepping."""
+    from cbopt.engine import traced
+    if case == 'dtensor':
+        ps = [torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))]
+        opt = cbopt.Adam(ps, backend='loop')
+        ps[0].grad = _sharded(one_rank_mesh, torch.ones(6))
+    else:
+        ps, opt = _refusing(case)
+        _set_grads(ps, 0)
+    before = [p.detach().clone() for p in ps]
+    assert traced.can_trace(opt) is (case == 'adam')
+    for p, b in zip(ps, before): assert torch.equal(p.detach(), b)
+    if case != 'adam': assert not any(opt.state[p] for p in ps)
+    else:
+        assert [sorted(opt.state[p]) for p in ps] == [['grad_avg', 'sqr_avg', 'step']] * 3 + [[]]
+        assert all(torch.equal(opt.state[p]['step'], torch.zeros((), dtype=torch.float64)) for p in ps[:3])
+
+
+def test_number_tensor_is_a_float64_count_on_the_params_device() -> None:
+    from cbopt.engine.traced import number_tensor
+    t = number_tensor(2 ** 53, torch.zeros(2, device='meta'))
+    assert (t.dtype, t.device, t.shape) == (torch.float64, torch.device('meta'), torch.Size([]))
+    assert number_tensor(2 ** 53, torch.zeros(2)).item() == 2 ** 53
+    x = torch.ones(())
+    assert number_tensor(x, torch.zeros(2)) is x
+
+
+def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> None:
+    """torch's compiled-optimizer recipe with dynamo's `eager` backend: the step traced into the caller's graph
+    (fullgraph: no break) as torch's Adam steps; with a closure the step runs eagerly (one graph break), the closure
+    called once a step and its loss returned."""
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, sqr_mom=0.999, eps=1e-8, wd=0., backend='loop'))
+    qs, ref = _two_groups(lambda gs: torch.optim.Adam(gs))
+    whole = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    calls = []
+    def closure():
+        calls.append(1)
+        return torch.tensor(float(len(calls)))
+    with_closure = torch.compile(lambda: opt.step(closure), backend='eager')
+    for i in range(4):
+        _set_grads(ps, i)
+        _set_grads(qs, i)
+        if i % 2: assert with_closure().item() == len(calls) == (i + 1) // 2
+        else: whole()
+        ref.step()
+        _close_each(ps, qs, what=f'step {i}')
+
+
+# -- the inductor pass `ScalarsOnce`, on a hand-made graph ----------------------------------------------------------
+
+def _scalars_graph() -> torch.fx.Graph:
+    """A graph as inductor gets one (aten ops after functionalization): inputs `lr` (read only) and `w` (written in
+    place by `add_`), a param `p`; `cbopt::scalar`s of `lr` (twice), of a computed value (twice), of another one, of
+    `w` (twice: one read after the write), of a value computed from two `scalar`s, and of two values computed after
+    the write."""
+    aten, scalar = torch.ops.aten, torch.ops.cbopt.scalar.default
+    g = torch.fx.Graph()
+    p, lr, w = g.placeholder('p'), g.placeholder('lr'), g.placeholder('w')
+    op = g.call_function
+    a, b = op(aten.mul.Tensor, (lr, lr)), op(aten.add.Tensor, (lr, 3.))
+    s_lr1, s_lr2, s_a1, s_a2, s_b, s_w1, s_w2 = (op(scalar, (x,)) for x in (lr, lr, a, a, b, w, w))
+    s_c = op(scalar, (op(aten.mul.Tensor, (s_a1, s_b)),))
+    x = p
+    for s in (s_lr1, s_lr2, s_a2, s_c, s_w1): x = op(aten.mul.Tensor, (x, s))
+    written = op(aten.add_.Tensor, (w, op(aten.sum.default, (x,))))
+    e1, e2 = op(aten.mul.Tensor, (w, 2.)), op(aten.mul.Tensor, (w, 5.))
+    after = [op(scalar, (e,)) for e in (e1, e2)]
+    g.output((x, op(aten.mul.Tensor, (s_w2, 7.)), written, *(op(aten.add.Tensor, (s, 1.)) for s in after)))
+    return g
+
+
+def test_scalars_once_computes_each_value_once_in_one_call_per_depth() -> None:
+    """`ScalarsOnce` leaves the results alone (the written input's value read before the write stays so) and makes:
+    no `scalar` of the read-only input, one per value, the independent ones before the first write in one
+    `cbopt::scalars` call (of `a`, `b` and `w`); the one reading two `scalar`s (depth 2) and the two after the write
+    stay single calls."""
+    targets = lambda g: sorted(str(n.target) for n in g.nodes if str(n.target).startswith('cbopt.'))
+    inputs = lambda: (torch.linspace(0.1, 1., 5), torch.tensor(0.3), torch.tensor(2.))
+    before = torch.fx.GraphModule(torch.nn.Module(), _scalars_graph())
+    assert targets(before.graph) == ['cbopt.scalar.default'] * 10
+    graph = _scalars_graph()
+    compiled.ScalarsOnce()(graph)
+    graph.lint()
+    after = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert targets(graph) == ['cbopt.scalar.default'] * 3 + ['cbopt.scalars.default']
+    (many,) = [n for n in graph.nodes if n.target is torch.ops.cbopt.scalars.default]
+    assert [n.name for n in many.args[0]] == ['mul_tensor', 'add_tensor', 'w']  # (a, b, w)
+    x0, x1 = inputs(), inputs()
+    for r0, r1 in zip(before(*x0), after(*x1), strict=True): torch.testing.assert_close(r1, r0, rtol=0, atol=0)
+    torch.testing.assert_close(x1[2], x0[2], rtol=0, atol=0)
+    assert x1[2].item() != 2.  # (the input was written)
+
+
+def test_inductor_gets_the_scalars_pass_and_no_size_asserts(monkeypatch) -> None:
+    """The options the compiled chain gives torch.compile: for inductor, `ScalarsOnce` as its post-grad pass (run on
+    the graph, it merges that graph's `scalar`s) and no size asserts (dynamo's guards check the sizes); for any other
+    backend none (its backends ignore inductor's options, with a warning)."""
+    seen = []
+    def compile_(fn, backend, fullgraph, options):
+        seen.append((backend, fullgraph, options))
+        return fn
+    monkeypatch.setattr(torch, 'compile', compile_)
+    monkeypatch.setattr(compiled, '_COMPILED', {})
+    ps = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
+    for compiler in ('inductor', 'eager'):
+        opt = cbopt.Adamax(ps, lr=0.01, backend=cbopt.Backend('fused', compiler=compiler))
+        for _ in range(2):
+            for p in ps: p.grad = torch.ones_like(p)
+            opt.step()
+    (ind_backend, ind_full, options), (eager_backend, eager_full, eager_options) = seen
+    assert (ind_backend, ind_full, eager_backend, eager_full, eager_options) == ('inductor', True, 'eager', True, None)
+    assert options.pop('size_asserts') is False
+    graph = _scalars_graph()
+    options.pop('post_grad_custom_post_pass')(graph)
+    assert not options
+    assert sum(n.target is torch.ops.cbopt.scalars.default for n in graph.nodes) == 1
