@@ -859,29 +859,54 @@ def test_small_params_step_packed_as_torch_does(name) -> None:
         assert len({opt.state[p]['mu_product'].data_ptr() for p in ps}) == len(ps)  # each param's own
 
 
-def _rebinding_sgd(p, lr, mom, grad_avg=None, **kwargs):
-    "SGD with momentum whose average is a new tensor at every step (out of place), as a user's callback may do."
-    grad_avg = p.grad.data.clone() if grad_avg is None else grad_avg * mom + p.grad.data
-    p.data.add_(grad_avg, alpha=-lr)
-    return {'grad_avg': grad_avg}
-_rebinding_sgd.state = dict(grad_avg=None)
+def _rebinding_sgd(p, lr, mom, grad_avg=None, n=None, **kwargs):
+    """SGD with momentum and lr / n at the n-th step, its average and its count (a 0-d tensor per param) new tensors at
+    every step (out of place), as a user's callback may make them."""
+    if grad_avg is None: grad_avg, n = torch.zeros_like(p.data), per_tensor(lambda q: q.new_zeros(()), p.data)
+    grad_avg, n = grad_avg * mom + p.grad.data, n + 1
+    p.data.add_(grad_avg / n, alpha=-lr)
+    return {'grad_avg': grad_avg, 'n': n}
+_rebinding_sgd.state = dict(grad_avg=zeros, n=lambda p: p.new_zeros(()))
 
 
 def test_a_packed_chain_that_rebinds_its_state_gives_each_param_its_own() -> None:
-    """A chain that makes its state anew at each step, on packed small params: each param gets its own part of the
-    packed result, of its shape and in memory of its own, as torch's SGD with momentum computes it."""
+    """A chain that makes its state anew at each step (a param-shaped average; a 0-d count, one value for all, which
+    goes with the pack), on packed small params: each param gets its own part of the packed results, of its shape and
+    in memory of its own, as torch's SGD with momentum computes them (lr / n at step n)."""
     start, grads = _params_and_grads(SMALL_AND_LARGE, 4, seed=1)
     ps = [torch.nn.Parameter(t.clone()) for t in start]
     qs = [torch.nn.Parameter(t.clone()) for t in start]
     opt = cbopt.Optimizer(ps, [_rebinding_sgd], lr=0.1, mom=0.9, backend=EAGER)
     ref = torch.optim.SGD(qs, lr=0.1, momentum=0.9)
-    for gs in grads:
+    for i, gs in enumerate(grads):
         for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        ref.param_groups[0]['lr'] = 0.1 / (i + 1)
         opt.step()
         ref.step()
-    _close_each(ps, qs)
+        _close_each(ps, qs, what=f'step {i}')
+    (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
+    assert sorted(kept['pack'].members) == [1, 2, 3, 4, 5, 6]
     _close_each([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
-    assert len({opt.state[p]['grad_avg'].data_ptr() for p in ps}) == len(ps)
+    assert all(torch.equal(opt.state[p]['n'], torch.tensor(4.)) for p in ps)
+    for key in ('grad_avg', 'n'): assert len({opt.state[p][key].data_ptr() for p in ps}) == len(ps), key
+
+
+def _spreading_count(p, n=None, count_steps=0, **kwargs):
+    "A 0-d count per param that becomes param-shaped at its second step: a count per element from then on."
+    if n is None: n = per_tensor(lambda q: q.new_zeros(()), p.data)
+    return {'n': p.grad.data * 0 + n + 1 if count_steps else n + 1, 'count_steps': count_steps + 1}
+_spreading_count.state = dict(n=lambda p: p.new_zeros(()), count_steps=0)
+
+
+def test_a_shared_0d_entry_made_param_shaped_is_each_params_own_part() -> None:
+    """A 0-d state entry of packed small params (one value for all: it goes with the pack) that the chain rebinds to a
+    param-shaped tensor: each param gets its own part, of its own shape, as it would stepped alone."""
+    ps = [torch.nn.Parameter(torch.zeros(s)) for s in SMALL_AND_LARGE]
+    opt = cbopt.Optimizer(ps, [_spreading_count, cbopt.sgd_step], lr=0.1, backend=EAGER)
+    for _ in range(3):
+        for p in ps: p.grad = torch.ones_like(p)
+        opt.step()
+    for p in ps: assert torch.equal(opt.state[p]['n'], torch.full(p.shape, 3.)), p.shape
 
 
 def test_pack_fits_only_the_same_params_sizes_keys_and_dtypes() -> None:

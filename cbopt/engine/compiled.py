@@ -311,8 +311,8 @@ class Pack:
             if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], self.views[k])
         for k in self.shared:
             if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
-        for k, v in new_t.items():
-            split = k not in self.shared and v.shape == self.param.shape
+        for k, v in new_t.items():  # (a shared 0-d entry the chain made param-shaped is split as any other)
+            split = v.shape == self.param.shape
             parts = v.split(self.sizes) if split else [v] * len(self.members)
             for i, part in zip(self.members, parts):
                 p = b.params[i]
