@@ -146,7 +146,7 @@ def test_grad_going_and_coming_back() -> None:
     assert ref.state[twin[0].weight]['step'] == 7 and opt.state[model[0].weight]['step'] == 7
 
 
-def test_sparse_grad_after_a_kept_plan_is_refused() -> None:
+def test_sparse_grad_after_a_kept_plan_is_rejected() -> None:
     "A grad turned sparse once the plan is kept is refused as on the first step: the error names it, nothing changes."
     model = make_model()
     opt = cbopt.optim.SGD(model.named_parameters(), lr=0.05, momentum=0.9, fused=True)
@@ -199,7 +199,7 @@ def test_kernel_steps_as_torchs_fused_optimizer_through_changes(cls, kernel, hyp
 
 
 
-def test_kernel_refused_when_a_param_is_laid_out_again(monkeypatch) -> None:
+def test_kernel_rejected_when_a_param_is_laid_out_again(monkeypatch) -> None:
     """A weight transposed in memory after the plan is kept (its grads stay contiguous): torch's kernel would pair the
     wrong elements, so its bucket (all four params) runs the chain from then on; the steps match torch's for-loop SGD."""
     ref = make_model()

@@ -27,19 +27,20 @@ def test_scalars_once_dedupes_drops_inputs_and_merges() -> None:
         c = SCALAR(u.sum())                # reads what a barrier feeds: a call of its own, after the first
         r = v * SCALAR(w)                  # `w` is written below: kept, and read before the write
         w.add_(1.)
-        return u * c + r
+        d = SCALAR(w * 2) * SCALAR(w * 5)  # computed after the write: not merged (their readers would cross it)
+        return u * c + r + d
 
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(6, generator=g), torch.randn(6, generator=g), torch.tensor(0.3), torch.tensor(-1.5)]
     gm = make_fx(step)(*[a.clone() for a in args])
-    assert len(_calls(gm, SCALAR)) == 5
+    assert len(_calls(gm, SCALAR)) == 7
     expected = gm(*[a.clone() for a in args])
     compiled.ScalarsOnce()(gm.graph)
     gm.graph.lint()
     gm.recompile()
     merged = _calls(gm, SCALARS)
     assert len(merged) == 1 and len(merged[0].args[0]) == 2  # b's and w's, which do not depend on each other
-    assert len(_calls(gm, SCALAR)) == 1                       # u.sum()'s, which depends on b's
+    assert len(_calls(gm, SCALAR)) == 3                       # u.sum()'s, which depends on b's, and d's two
     assert not any(n.args[0].op == 'placeholder' and n.args[0].name.startswith('a') for n in _calls(gm, SCALAR))
     got_args = [a.clone() for a in args]
     torch.testing.assert_close(gm(*got_args), expected, rtol=0, atol=0)

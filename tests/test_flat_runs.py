@@ -39,8 +39,9 @@ def _graphs() -> int:
 def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None:
     """12 steps of the fused backend (runs of 4) against the loop, fresh grads every step; after step 4 a big and a
     small param get new memory (`p.data = p.data.clone()`), after step 8 the state is saved and loaded back (new state
-    tensors): the kept aliases follow (the params and state equal the loop's), one graph is compiled, the small params
-    step packed, an entry updated in place stays the same tensor, and no kept alias holds a grad after a step."""
+    tensors): the kept aliases follow (the params and state equal the loop's), one graph is compiled though the lr
+    changes at every step, the small params step packed, an entry updated in place stays the same tensor, and no kept
+    alias holds a grad after a step."""
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=g) for s in SHAPES]
     grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(12)]
@@ -52,6 +53,7 @@ def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None
         opt = _make(kind, ps, backend)
         for step, gs in enumerate(grads):
             for p, gr in zip(ps, gs): p.grad = gr.clone()
+            opt.set_hyper('lr', 0.01 / (1 + step))
             opt.step()
             if step == 3:
                 for i in (1, 3): ps[i].data = ps[i].data.clone()
@@ -81,12 +83,20 @@ def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None
 
 def test_a_step_holds_no_grad_and_a_replaced_param_is_let_go() -> None:
     """After a fused step and `p.grad = None` (zero_grad), the grads' memory is freed: the step's flat aliases of them
-    are dropped. A param given new memory has its old memory freed at the next step (its kept alias is made again)."""
+    are dropped. The aliases of params and state are kept from step to step (not made again), but a param given new
+    memory has its old memory freed at the next step (its kept alias is made again)."""
     ps = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = cbopt.Lion(ps, lr=0.01, backend=cbopt.Backend('fused', compiler='eager', compile_chunk=4))
+    kept = []
     for _ in range(3):
         for p in ps: p.grad = torch.randn_like(p)
         opt.step()
+        (aliases,) = runtime(opt).flat_aliases.values() or [{}]  # (none at the first step: it runs eagerly)
+        kept.append({k: (v[0], dict(v[1])) for k, v in aliases.items() if k != 'pack'})
+    assert kept[1].keys() == kept[2].keys() == {id(p) for p in ps}
+    for k, (q, st) in kept[2].items():
+        assert q is kept[1][k][0] and all(v is kept[1][k][1][n] for n, v in st.items())
+    del kept, aliases  # (they hold the memory)
     grads = [StorageWeakRef(p.grad.untyped_storage()) for p in ps]
     opt.zero_grad(set_to_none=True)
     assert all(w.expired() for w in grads)

@@ -52,7 +52,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                        'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py',
                                        # torch's own kernels (`kernels.py`): its grad_scale / in-place clip paths
                                        'tests/test_torch_kernels.py', 'tests/test_grad_scaler.py',
-                                       'tests/test_clip_in_place.py']),
+                                       'tests/test_clip_in_place.py',
+                                       # the kept bucket plan; the compiled chain's flat runs and packed params
+                                       # (dynamo's eager backend); the inductor pass on a hand-made graph
+                                       'tests/test_bucket_plan.py', 'tests/test_flat_runs.py',
+                                       'tests/test_compiled_scalars.py::test_scalars_once_dedupes_drops_inputs_and_merges']),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
@@ -69,7 +73,7 @@ PYTEST_ARGS: dict[str, list[str]] = {'state': ['-k', f'{ONE_BACKEND[1]} and not 
                                      # `fused` cases stay)
                                      'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and '
                                                 '(not fused or test_torch_kernels or test_grad_scaler or '
-                                                'test_clip_in_place)']}
+                                                'test_clip_in_place or test_bucket_plan)']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
                'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
