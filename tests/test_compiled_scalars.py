@@ -77,3 +77,62 @@ def test_schedule_free_compiled_step_computes_its_numbers_in_one_call(monkeypatc
     assert codes[0].count('torch.ops.cbopt.scalars.default(') == 1
     assert 'torch.ops.cbopt.scalar.default(' not in codes[0]
     assert_rel_close(fused, loop, rtol=1e-6)
+
+
+def test_scalars_once_keeps_one_barrier_per_converted_value() -> None:
+    """The chain runs once per param, so a value made float32 for ops over float32 tensors is converted once per
+    param: one barrier for it all the same (`_value_key`), and none for a value converted to another dtype."""
+    def step(x, y, a):
+        u = x * SCALAR(a.to(torch.float32)) + y * SCALAR(a.to(torch.float32))  # one value, converted per param
+        return u * SCALAR(a.to(torch.float16).to(torch.float32))                 # another value
+
+    args = [torch.randn(6), torch.randn(6), torch.tensor(0.3, dtype=torch.float64)]
+    gm = make_fx(step)(*args)
+    expected = gm(*args)
+    assert len(_calls(gm, SCALAR)) == 3
+    compiled.ScalarsOnce()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    (merged,) = _calls(gm, SCALARS)
+    assert len(merged.args[0]) == 2 and not _calls(gm, SCALAR)
+    torch.testing.assert_close(gm(*args), expected, rtol=0, atol=0)
+
+
+def test_float32_loops_read_float32_numbers_and_float64_ones_keep_theirs(monkeypatch) -> None:
+    """Over float32 params, the per-step numbers reach inductor's loop as float32 0-d buffers (the elementwise kernel
+    takes no float64 pointer: a float64 number cost the loop a conversion per vector of elements, which the C++
+    compiler does not hoist); over float64 params they stay float64. RAdam (its rectification and debiasing numbers
+    computed in double), 12 steps against the loop backend: 1e-6 of each tensor's scale for float32, 1e-12 for
+    float64 (numbers rounded to float32 would be off by about 1e-8)."""
+    import ast
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(compiled, '_COMPILED', {})
+    torch._dynamo.reset()
+
+    def run(backend, dtype: torch.dtype) -> tuple[torch.nn.ParameterList, list]:
+        g = torch.Generator().manual_seed(2)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in [(5, 3), (4,)]]
+        opt = cbopt.RAdam(ps, lr=0.01, wd=0.1, backend=backend)
+        codes = []
+        for i in range(12):
+            for p in ps: p.grad = torch.randn(p.shape, generator=g, dtype=dtype)
+            if i == 1: codes = run_and_get_code(opt.step)[1]
+            else: opt.step()
+        return torch.nn.ParameterList(ps), codes
+
+    def loop_kernel_args(code: str) -> list[str]:
+        "The argument types of the kernel with a vectorised loop over elements (the other computes the numbers)."
+        kernels = re.findall(r"cpp_pybinding\((\[.*?\]), r'''(.*?)'''\)", code, re.S)
+        (args,) = [ast.literal_eval(a) for a, src in kernels if 'loadu' in src]
+        return args
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        f32, code32 = run(cbopt.Backend('fused', compile_chunk=1), torch.float32)
+        f64, code64 = run(cbopt.Backend('fused', compile_chunk=1), torch.float64)
+    args32, args64 = loop_kernel_args(code32[0]), loop_kernel_args(code64[0])
+    assert 'const float*' in args32 and 'const double*' not in args32
+    assert 'const float*' not in args64 and 'float*' not in args64
+    assert_rel_close(f32, run(cbopt.Backend('loop'), torch.float32)[0], rtol=1e-6)
+    assert_rel_close(f64, run(cbopt.Backend('loop'), torch.float64)[0], rtol=1e-12)

@@ -142,3 +142,29 @@ def test_small_params_with_a_0d_state_entry_step_packed(kind) -> None:
                 assert f_opt.state[a][k].shape == v.shape, k
                 torch.testing.assert_close(f_opt.state[a][k], v, rtol=1e-6, atol=1e-6 * v.abs().max().item())
             else: assert f_opt.state[a][k] == v, k
+
+
+def test_flat_inputs_are_kept_while_the_plan_and_the_memory_hold() -> None:
+    """The flat inputs of a bucket (aliases, pack) are kept in its plan and used again at each step while its params
+    and their param-shaped state keep their memory; a state entry replaced in its dict (the plan still holds: same
+    dict, keys and metadata) or a param given new memory makes them again. 10 steps against the loop."""
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(10)]
+    runs, kept = {}, []
+    for backend in (cbopt.Backend('fused', compiler='eager', compile_chunk=4), 'loop'):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = cbopt.Lion(ps, lr=0.01, wd=0.1, backend=backend)
+        for step, gs in enumerate(grads):
+            for p, gr in zip(ps, gs): p.grad = gr.clone()
+            if step == 4: opt.state[ps[5]]['grad_avg'] = opt.state[ps[5]]['grad_avg'].clone()  # a big param's
+            if step == 7: ps[0].data = ps[0].data.clone()  # a packed param
+            opt.step()
+            if backend != 'loop': kept.append(runtime(opt).bucket_plan.buckets[0].known['flat_inputs'] if step else None)
+        runs[backend if backend == 'loop' else 'fused'] = ps, opt
+    assert [kept[i] is kept[i - 1] for i in range(2, 10)] == [True, True, False, True, True, False, True, True]
+    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
+    for a, b in zip(fused, loop):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+        torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
+                                   atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
