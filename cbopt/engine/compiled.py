@@ -416,9 +416,10 @@ class FlatInputs:
         return self.scratch
 
 
-def flat_inputs(b: Bucket, kept: dict) -> FlatInputs:
-    """`b`'s params as the compiled elementwise chain steps them (a bucket that `can_flatten`): the `FlatInputs` its
-    plan kept (`Bucket.known`) if `current`, else made again. Making the aliases cost more than the compiled calls'
+def flat_inputs(b: Bucket, kept: dict) -> FlatInputs | None:
+    """`b`'s params as the compiled elementwise chain steps them, None if it cannot (`can_flatten`): the `FlatInputs`
+    its plan kept (`Bucket.known`) if `current` (the plan holding, the layout `can_flatten` read holds), else made
+    again. Making the aliases cost more than the compiled calls'
     own work on small params (about 6 us each, every step), so those of the params and their state are also kept in
     `kept` (id(param) -> (alias, state)) between steps and made again only for a tensor that is not the one aliased
     any more (`_same_memory`: after `p.data = ...`, a loaded state, an entry a callback rebound): a replaced tensor's
@@ -428,6 +429,7 @@ def flat_inputs(b: Bucket, kept: dict) -> FlatInputs:
     kept_inputs = None if known is None else known.get('flat_inputs')
     if kept_inputs is not None and kept_inputs.current(b) and (inputs := kept_inputs.for_step(b)) is not None:
         return inputs
+    if not can_flatten(b): return None
     qs, tstates, now = [], [], {}
     for p, st in zip(b.params, b.states):
         q, old = kept.get(id(p), (None, {}))
@@ -474,7 +476,7 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`; a shard's local tensors step by shape)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     kept = runtime(opt).flat_aliases.setdefault(b.layout, {})
-    flat = flat_inputs(b, kept) if not on_shards and can_flatten(b) else None
+    flat = None if on_shards else flat_inputs(b, kept)
     try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards)
     finally:
         if flat is not None: release_grads(flat.params)  # (the pack's param too)
