@@ -24,7 +24,8 @@ from cbopt.engine import foreach as foreach_runner
 from cases import CASES, Case, case
 from conftest import assert_rel_close, assert_same_params, make_model, set_grads, train, two_groups
 
-pytestmark = pytest.mark.usefixtures('one_thread')
+pytestmark = [pytest.mark.usefixtures('one_thread'),
+              pytest.mark.filterwarnings('error:the callback chain could not be compiled')]  # (a fallback: the same values)
 STEPS = 100
 SLOW = bool(os.environ.get('CBOPT_SLOW'))
 EXACT = dict(rtol=0., atol=0.)

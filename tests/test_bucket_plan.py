@@ -14,7 +14,8 @@ from cbopt.engine import buckets as bucketing
 from cbopt.engine.runtime import runtime
 from conftest import assert_rel_close, make_model, set_grads, train
 
-pytestmark = pytest.mark.usefixtures('one_thread')
+pytestmark = [pytest.mark.usefixtures('one_thread'),
+              pytest.mark.filterwarnings('error:the callback chain could not be compiled')]  # (a fallback: the same values)
 
 
 def plan(opt):

@@ -78,11 +78,10 @@ def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
     return out
 
 
-def buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
+def buckets(opt) -> list[Bucket]:
     """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
-    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors).
-    `on_odd_grad(opt)` is called, before anything is stepped, if a grad is sparse or of another shape or dtype."""
-    return list(_keyed_buckets(opt, on_odd_grad).values())
+    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors)."""
+    return list(_keyed_buckets(opt).values())
 
 
 def _metadata_guard(tensors: list):
@@ -109,15 +108,9 @@ class BucketPlan:
     changes the buckets fails the check. A step finds the buckets `buckets` would make, in its order."""
 
     def __init__(self, opt, on_odd_grad: Callable | None = None):
-        odd = []
-
-        def noting(o) -> None:
-            odd.append(True)
-            on_odd_grad(o)
-        keyed = _keyed_buckets(opt, None if on_odd_grad is None else noting)
+        keyed = _keyed_buckets(opt, on_odd_grad)
         self.buckets = [Bucket(b.group, b.params, b.states, {}) for b in keyed.values()]
         self.keys = list(keyed)
-        self.odd = bool(odd)  # a grad `on_odd_grad` looked at (and let pass): it looks again at each step
         self.state = opt.state
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]
@@ -149,8 +142,9 @@ class BucketPlan:
                     return None
         return ts
 
-    def current(self, opt, on_odd_grad: Callable | None = None) -> list[Bucket] | None:
-        "The plan's buckets if nothing they depend on changed since it was made, else None."
+    def current(self, opt) -> list[Bucket] | None:
+        """The plan's buckets if nothing they depend on changed since it was made, else None. A grad that
+        `on_odd_grad` let pass then has the same dtype, shape and layout now (the metadata check): it passes again."""
         if self.guard is None or opt.state is not self.state or len(opt.param_groups) != len(self.groups): return None
         for g, (g0, _, cbs, _) in zip(opt.param_groups, self.groups):
             if g is not g0 or len(g['cbs']) != len(cbs) or not all(map(is_, g['cbs'], cbs)): return None
@@ -164,16 +158,16 @@ class BucketPlan:
             if len(set(keys)) != len(keys): return None  # Python values that made two buckets are now equal
         except (KeyError, TypeError, RuntimeError): return None  # (a key gone, an unhashable value, a sparse grad)
         self.keys = keys
-        if self.odd and on_odd_grad is not None: on_odd_grad(opt)
         return self.buckets
 
 
 def planned_buckets(opt, on_odd_grad: Callable | None = None) -> list[Bucket]:
-    """`buckets(opt, on_odd_grad)`, from the optimizer's `BucketPlan` when it still holds (made again when not): the
-    engine's per-step bucketing."""
+    """`buckets(opt)`, from the optimizer's `BucketPlan` when it still holds (made again when not, calling
+    `on_odd_grad(opt)` before anything is stepped if a grad is sparse or of another shape or dtype): the engine's
+    per-step bucketing."""
     rt = runtime(opt)
     plan = rt.bucket_plan
-    if plan is not None and (bs := plan.current(opt, on_odd_grad)) is not None: return bs
+    if plan is not None and (bs := plan.current(opt)) is not None: return bs
     rt.bucket_plan = plan = BucketPlan(opt, on_odd_grad)
     return plan.buckets
 

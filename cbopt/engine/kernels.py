@@ -4,7 +4,8 @@ A recipe registers its chain with the kernel that does the same math (`register_
 in `cbopt.optimizers`; `fused_adam` for the L2 chain, `fused_sgd` for SGD's chains; `fused_adagrad` in
 `cbopt.torch_optimizers`), so the engine never imports recipes. A kernel adapter takes a bucket and its hypers and
 returns a function stepping the whole bucket, or None when the bucket is outside what the kernel handles. It may be
-asked for two grad factors (keywords): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
+asked for one of two grad factors (keywords; a step owes one at most: GradScaler's is paid before whole-model
+callbacks run): `grad_scale`, a multiplier from a whole-model callback (`clip_grad_norm`),
 which must leave the user's grads as they are, unless `scale_in_place` (`clip_grad_norm(in_place=True)`: then the
 kernel writes the scaled grads into them, as `clip_grad_norm_` leaves them); and `loss_scale`, `torch.amp.GradScaler`'s scale, a divisor, which
 torch's kernels take as their own `grad_scale` argument and divide the grads by in place (as torch's fused
@@ -91,12 +92,11 @@ def _divisor(p0: torch.Tensor, grad_scale: torch.Tensor | None, loss_scale: torc
              scale_in_place: bool) -> torch.Tensor | None:
     """The kernel's own `grad_scale`: a float32 divisor, which it applies to the grads and stores into them (ATen's CPU
     and CUDA kernels alike). Right for GradScaler's scale (torch leaves the grads unscaled), and for a clip coefficient
-    only in place (`1 / coefficient`, in float32 as the kernel reads it: within an ulp of `grad * coefficient`)."""
-    divisor = None if loss_scale is None else loss_scale.to(device=p0.device, dtype=torch.float32)
-    if grad_scale is not None and scale_in_place:
-        inv = grad_scale.to(device=p0.device, dtype=torch.float64).reciprocal()
-        divisor = (inv if divisor is None else divisor.double() * inv).float()
-    return divisor
+    only in place (`1 / coefficient`, in float32 as the kernel reads it: within an ulp of `grad * coefficient`). A step
+    owes one scale at most: GradScaler's is paid before any whole-model callback (a clip) runs."""
+    if loss_scale is not None: return loss_scale.to(device=p0.device, dtype=torch.float32)
+    if grad_scale is None or not scale_in_place: return None
+    return grad_scale.to(device=p0.device, dtype=torch.float64).reciprocal().float()
 
 
 def _laid_out_alike(b: Bucket, buffers: tuple[str, ...]) -> bool:
@@ -138,7 +138,7 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
         if not copies:
             call(b.params, [p.grad for p in b.params], *([s[k] for s in b.states] for k in buffers), grad_scale=divisor)
         else:
-            for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=divisor)
+            for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=None)
     return run
 
 
