@@ -45,6 +45,23 @@ def test_plan_kept_while_nothing_changes() -> None:
     assert assert_as_made_afresh(opt) is kept.buckets
 
 
+@pytest.mark.parametrize('make, n_buckets', [(lambda ps: cbopt.Adam(ps, lr=0.01, backend='foreach'), 1),
+                                             (lambda ps: cbopt.Lamb(ps, lr=0.01, backend='foreach'), 2)],
+                         ids=['adam', 'lamb'])
+def test_plan_kept_with_python_step_counts_and_buckets_by_rank(make, n_buckets) -> None:
+    """Python state values equal within each bucket (the step counts) and a chain over whole tensors, bucketed by rank
+    (LAMB: weights and biases apart): the plan is kept step after step, and gives what `buckets` makes."""
+    model = make_model()
+    opt = make(model.parameters())
+    train(opt, model, 2)
+    kept = plan(opt)
+    for i in range(2, 6):
+        train(opt, model, 1, start=i)
+        assert plan(opt) is kept
+    set_grads(model, 6)
+    assert len(assert_as_made_afresh(opt)) == n_buckets
+
+
 def _strides(model, opt):  # the same shape and values, transposed in memory; the grads stay contiguous
     w = model[0].weight
     w.data = w.data.t().contiguous().t()

@@ -40,6 +40,9 @@ def test_scalars_once_dedupes_drops_inputs_and_merges() -> None:
     gm.recompile()
     merged = _calls(gm, SCALARS)
     assert len(merged) == 1 and len(merged[0].args[0]) == 2  # b's and w's, which do not depend on each other
+    assert [src.op for src in merged[0].args[0]] == ['call_function', 'placeholder']  # b = a * 2, and w (written)
+    assert merged[0].args[0][1].name.startswith('w')
+    assert [v.shape for v in merged[0].meta['val']] == [(), ()]  # what inductor lowers the call by: its outputs
     assert len(_calls(gm, SCALAR)) == 3                       # u.sum()'s, which depends on b's, and d's two
     assert not any(n.args[0].op == 'placeholder' and n.args[0].name.startswith('a') for n in _calls(gm, SCALAR))
     got_args = [a.clone() for a in args]
@@ -136,3 +139,12 @@ def test_float32_loops_read_float32_numbers_and_float64_ones_keep_theirs(monkeyp
     assert 'const float*' not in args64 and 'float*' not in args64
     assert_rel_close(f32, run(cbopt.Backend('loop'), torch.float32)[0], rtol=1e-6)
     assert_rel_close(f64, run(cbopt.Backend('loop'), torch.float64)[0], rtol=1e-12)
+
+
+def test_scalars_once_has_a_key_for_inductors_graph_cache() -> None:
+    """Inductor's FX graph cache keys a custom pass by its `uuid`: the hash of the pass's source file, the same for
+    every instance (a cached graph compiled with another version of the pass is not reused)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+    key = compiled.ScalarsOnce().uuid()
+    assert isinstance(key, bytes) and key == compiled.ScalarsOnce().uuid()
+    assert key == get_hash_for_files((compiled.__file__,))

@@ -450,6 +450,22 @@ def test_an_undeclared_chain_is_dry_run_once_per_group() -> None:
     torch.testing.assert_close(a.detach(), torch.full((2,), -0.3))
 
 
+def test_a_group_probed_by_foreach_is_not_dry_run_again_by_the_loop() -> None:
+    """foreach's probe (a run on a copy of one param) checks an undeclared chain as the loop's dry run does: a group
+    it probed is checked, and the loop, switched to later, runs no dry run of its own."""
+    calls = []
+    def counted(p, **kwargs): calls.append(1)
+    a = torch.nn.Parameter(torch.zeros(2))
+    opt = cbopt.Optimizer([a], [counted, cbopt.sgd_step], lr=0.1, backend='foreach')
+    a.grad = torch.ones(2)
+    opt.step()
+    assert len(calls) == 2  # the probe's copy, then the bucket
+    opt.backend = 'loop'
+    opt.step()
+    assert len(calls) == 3  # the param alone
+    torch.testing.assert_close(a.detach(), torch.full((2,), -0.2))
+
+
 def _forget_at_step_2(p, step=0, prev=None, **kwargs):
     "State that a callback sets to None on its second step (Python control flow on a Python value is allowed)."
     return {'step': step + 1, 'prev': None if step == 1 else p.grad * 1}
@@ -1044,3 +1060,111 @@ def test_inductor_gets_the_scalars_pass_and_no_size_asserts(monkeypatch) -> None
     options.pop('post_grad_custom_post_pass')(graph)  # (two independent values: one call of `scalars`)
     assert not options
     assert [str(n.target) for n in graph.nodes if str(n.target).startswith('cbopt.')] == ['cbopt.scalars.default']
+
+
+# -- found by the engine's mutation sample (seventh session: docs/mutation.md) --------------------------------------
+@pytest.mark.parametrize('small', [0, 1, 2])
+def test_flat_runs_with_no_one_or_two_small_params(small) -> None:
+    """The compiled chain's flat inputs over buckets of large params with 0, 1 or 2 small ones: small params are packed
+    only when there are two or more (one alone gains nothing from a pack), and every case steps as the loop over 4
+    steps (Lion)."""
+    shapes = [(130, 130), (129, 131)] + [(3,), (2, 2)][:small]
+    start, grads = _params_and_grads(shapes, 4, seed=3)
+    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = (cbopt.Lion(xs, lr=0.1, wd=0.1, backend=b) for xs, b in ((ps, EAGER), (qs, 'loop')))
+    for i, gs in enumerate(grads):
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step(), ref.step()
+        _close_each(ps, qs, what=f'step {i}')
+    (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
+    assert (sorted(kept['pack'].members) if 'pack' in kept else None) == ([2, 3] if small == 2 else None)
+
+
+def test_each_bucket_keeps_its_own_flat_aliases() -> None:
+    """Two buckets (two groups) keep their flat aliases apart, each under its own layout: one bucket's step does not
+    drop the other's, which would make them again at every step."""
+    start, grads = _params_and_grads([(4, 3), (5,), (6,), (2, 3)], 3, seed=4)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Lion([{'params': ps[:2]}, {'params': ps[2:], 'lr': 0.01}], lr=0.1, backend=EAGER)
+    for gs in grads:
+        for p, gr in zip(ps, gs): p.grad = gr.clone()
+        opt.step()
+    kept = cbopt.engine.runtime.runtime(opt).flat_aliases
+    assert len(kept) == 2
+    assert sorted(sorted(k for k in v if k != 'pack') for v in kept.values()) == sorted([sorted(map(id, ps[:2])),
+                                                                                        sorted(map(id, ps[2:]))])
+
+
+@pytest.mark.parametrize('compiler', ['inductor', 'eager'], ids=['with_the_pass', 'no_options'])
+def test_the_chain_is_compiled_whole_with_cbopts_graph_pass(compiler, monkeypatch) -> None:
+    """What `torch.compile` is asked for: the whole chain in one graph (`fullgraph=True`: a graph break is a failure,
+    so the foreach fallback), and for inductor, the `ScalarsOnce` pass and no size asserts; no options for another
+    compiler. (torch.compile recorded, not run: the chain then runs eagerly, as the loop.)"""
+    asked = []
+    monkeypatch.setattr(compiled, '_COMPILED', {})
+    monkeypatch.setattr(torch, 'compile', lambda fn, **kw: asked.append(kw) or fn)
+    start, grads = _params_and_grads([(4, 3), (5,)], 3, seed=5)
+    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Lion(ps, lr=0.1, backend=cbopt.Backend('fused', compiler=compiler))
+    ref = cbopt.Lion(qs, lr=0.1, backend='loop')
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step(), ref.step()
+    _close_each(ps, qs)
+    (kw,) = asked
+    assert kw['backend'] == compiler and kw['fullgraph'] is True
+    if compiler == 'eager': assert kw['options'] is None
+    else:
+        assert kw['options']['size_asserts'] is False
+        assert isinstance(kw['options']['post_grad_custom_post_pass'], compiled.ScalarsOnce)
+
+
+def test_a_tensor_lr_steps_with_torchs_kernel(monkeypatch) -> None:
+    """A 0-d tensor lr on the params' device is what torch's fused kernels take too: cbopt's Adam steps with
+    `_fused_adamw_`, bit for bit torch's fused Adam given the same tensor lr."""
+    calls = _count_fused_adamw(monkeypatch)
+    start, grads = _params_and_grads([(4, 3), (5,)], 4, seed=6)
+    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Adam(ps, lr=torch.tensor(0.01), mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., backend='fused')
+    ref = torch.optim.Adam(qs, lr=torch.tensor(0.01), fused=True)
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step(), ref.step()
+    _close_each(ps, qs, rtol=0)
+    assert len(calls) == len(grads) - 1  # ours from the second step (the first makes the state; torch's is _fused_adam_)
+
+
+@pytest.mark.parametrize('wd', [0., 0.1])
+def test_decoupled_adagrad_runs_its_chain_unless_it_has_no_decay(wd, monkeypatch) -> None:
+    """torch's Adagrad kernel decays by L2 only: cbopt's Adagrad with `decouple_wd=True` steps with it only at zero
+    decay, else with its chain (as the loop backend), over 4 steps."""
+    calls, real = [], torch._fused_adagrad_
+    monkeypatch.setattr(torch, '_fused_adagrad_', lambda *a, **k: calls.append(1) or real(*a, **k))
+    start, grads = _params_and_grads([(4, 3), (5,)], 4, seed=7)
+    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Adagrad(ps, lr=0.1, wd=wd, decouple_wd=True, backend=EAGER)
+    ref = cbopt.Adagrad(qs, lr=0.1, wd=wd, decouple_wd=True, backend='loop')
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step(), ref.step()
+    _close_each(ps, qs)
+    assert len(calls) == (0 if wd else len(grads) - 1)
+
+
+@pytest.mark.parametrize('make, kernel', [(lambda ps, b: cbopt.SGD(ps, lr=0.1, mom=0.9, backend=b), '_fused_sgd_'),
+                                          (lambda ps, b: cbopt.Adagrad(ps, lr=0.1, backend=b), '_fused_adagrad_')],
+                         ids=['sgd', 'adagrad'])
+def test_dtensor_params_of_sgd_and_adagrad_do_not_reach_their_kernels(make, kernel, one_rank_mesh, monkeypatch) -> None:
+    """DTensor has no sharding rule for torch's SGD and Adagrad kernels: params sharded as DTensors step with the
+    chain (compiled), as plain params do with the kernel."""
+    calls, real = [], getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))
+    plain = torch.nn.Parameter(torch.linspace(-1., 1., 6))
+    opts = [make([w], EAGER), make([plain], EAGER)]
+    for i in range(3):
+        g = torch.linspace(-2., 3., 6) * (i + 1)
+        w.grad, plain.grad = _sharded(one_rank_mesh, g), g.clone()
+        for o in opts: o.step()
+    assert len(calls) == 2  # the plain param's steps after its first
+    torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=1e-6, atol=1e-7)

@@ -56,7 +56,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                        # the kept bucket plan; the compiled chain's flat runs and packed params
                                        # (dynamo's eager backend); the inductor pass on a hand-made graph
                                        'tests/test_bucket_plan.py', 'tests/test_flat_runs.py',
-                                       'tests/test_compiled_scalars.py::test_scalars_once_dedupes_drops_inputs_and_merges']),
+                                       *[f'tests/test_compiled_scalars.py::{t}' for t in (
+                                           'test_scalars_once_dedupes_drops_inputs_and_merges',
+                                           'test_scalars_once_keeps_one_barrier_per_converted_value',
+                                           'test_scalars_once_has_a_key_for_inductors_graph_cache')]]),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
@@ -69,11 +72,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 ONE_BACKEND = ['-k', 'not fused and not foreach and not auto']
 PYTEST_ARGS: dict[str, list[str]] = {'state': ['-k', f'{ONE_BACKEND[1]} and not resume_is_exact'],
                                      'hypers': ONE_BACKEND, 'params': ONE_BACKEND,
-                                     # (the kernel files run torch's fused kernels, which compile nothing: their
-                                     # `fused` cases stay)
+                                     # (the kernel files run torch's fused kernels, which compile nothing, and
+                                     # the unit tests compile with dynamo's eager backend: their `fused` cases stay)
                                      'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and '
                                                 '(not fused or test_torch_kernels or test_grad_scaler or '
-                                                'test_clip_in_place or test_bucket_plan)']}
+                                                'test_clip_in_place or test_bucket_plan or test_engine_units or '
+                                                'test_flat_runs)']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
                'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
