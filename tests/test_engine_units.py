@@ -202,6 +202,11 @@ def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> 
         barriers.clear()  # an `alpha=`/`value=` number: once, as a float64 0-d tensor (read at Python's precision)
         with ScalarArgsAsTensors(scalars_once): op()
         assert [(v.item(), v.dtype) for v in barriers] == ([(number, torch.float64)] if scalars_once else [])
+    u, v = (torch.randn(1000, generator=g) for _ in range(2))  # a number lerp weight: `u + (v - u) * w`, which a
+    for w in (0.3, 0.75):                                      # compile keeps symbolic (torch's lerp: other roundings)
+        with ScalarArgsAsTensors(scalars_once): got = (u.lerp(v, w), torch.lerp(u, v, w), u.clone().lerp_(v, w))
+        assert all(torch.equal(r, u + (v - u) * w) for r in got), w
+    assert not torch.equal(torch.lerp(u, v, 0.75), u + (v - u) * 0.75)  # (so the check above tells them apart)
 
 
 # -- step stats and whole-model contract ------------------------------------------------------------------------
@@ -261,10 +266,11 @@ def test_warn_once_per_key() -> None:
 
 # -- grads no chain can step: refused before anything changes ---------------------------------------------------
 def _opt_with_state(backend: str, clip: bool):
-    "Two named params stepped once (so they have state), optionally behind a whole-model callback (another code path)."
+    """Two named params stepped once (so they have state), optionally behind a whole-model callback (another code
+    path), after a param that never has a grad (the check goes on past it)."""
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     cbs = [cbopt.clip_grad_norm] * clip + [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step]
-    opt = cbopt.Optimizer([('a', a), ('b', b)], cbs, lr=0.1, mom=0.9, wd=0.1, backend=backend,
+    opt = cbopt.Optimizer([('frozen', torch.nn.Parameter(torch.ones(4))), ('a', a), ('b', b)], cbs, lr=0.1, mom=0.9, wd=0.1, backend=backend,
                           **({'max_norm': 1.} if clip else {}))
     a.grad, b.grad = torch.ones(2), torch.ones(3)
     opt.step()
@@ -672,11 +678,13 @@ def _accumulating(**kw):
 def test_a_whole_model_callbacks_per_param_state_is_made_by_its_callable(when) -> None:
     """`param_state = dict(grad_sum=zeros)`: each param's `'summing.grad_sum'` is made by calling `zeros` on it, by
     the first step, by `init_state`, or, for a callback added to a chain whose params already have state (as a wrapper
-    adds one), by the next step; the callback keeps it: the sum of the grads it saw."""
+    adds one), by the next step; the callback keeps it: the sum of the grads it saw. A param before them that never
+    has a grad gets no state (by the steps) and does not keep the others from theirs."""
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3, 1))
+    frozen = torch.nn.Parameter(torch.ones(4))
     late = when == 'joins a stepped chain'
     chain = [cbopt.average_grad, cbopt.momentum_step]  # (state of its own: the params have state before it joins)
-    opt = cbopt.Optimizer([a, b], ([] if late else [_accumulating()]) + chain, lr=0.1)
+    opt = cbopt.Optimizer([frozen, a, b], ([] if late else [_accumulating()]) + chain, lr=0.1)
     if when == 'init_state': opt.init_state()
     if late:
         a.grad, b.grad = torch.ones(2), torch.ones(3, 1)
@@ -687,6 +695,26 @@ def test_a_whole_model_callbacks_per_param_state_is_made_by_its_callable(when) -
         opt.step()
     assert torch.equal(opt.state[a]['summing.grad_sum'], torch.full((2,), 3.))
     assert torch.equal(opt.state[b]['summing.grad_sum'], torch.full((3, 1), 6.))
+    assert (when == 'init_state') == bool(opt.state.get(frozen))  # (init_state gives every param its state)
+
+
+def test_after_a_reevaluating_step_the_grads_are_the_last_evaluations() -> None:
+    """The grad contract with a closure: a callback re-evaluates the model (new grads), a clip after it scales them out
+    of place for the step; after the step each grad is the last evaluation's, unclipped (as torch's LBFGS leaves it),
+    and the step took the clipped one."""
+    def evaluating(params, closure=None, **kwargs): closure()
+    evaluating.scope, evaluating.state, evaluating.transient, evaluating.uses_closure = 'model', {}, (), True
+    p = torch.nn.Parameter(torch.tensor([2., -1.]))
+    opt = cbopt.Optimizer([p], [evaluating, cbopt.clip_grad_norm, cbopt.sgd_step], lr=0.1, max_norm=1.)
+    def closure():
+        opt.zero_grad()
+        loss = (p * p).sum() * 3
+        loss.backward()
+        return loss
+    opt.step(closure)
+    grad = torch.tensor([12., -6.])
+    assert torch.equal(p.grad, grad)
+    torch.testing.assert_close(p.detach(), torch.tensor([2., -1.]) - 0.1 * grad / grad.norm())
 
 
 def test_a_callback_after_the_chain_keeps_its_declared_state() -> None:

@@ -321,7 +321,8 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
     `scales` (id(group) -> (0-d tensor, in_place), from `clip_grad_norm`) multiply those groups' grads: inside torch's
     fused kernel where one steps the bucket (`fused`, `auto`; in place: the kernel's own `grad_scale`, which writes the
     clipped grads into them), on scaled copies of the bucket's grads otherwise (in place: one `_foreach_mul_`).
-    `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain."""
+    `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain; it
+    never reaches the loop backend, which does not claim GradScaler's protocol (`_step_supports_amp_scaling`)."""
     kind, scales = opt.backend_options.kind, scales or {}
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return  # only whole-model callbacks (lbfgs)
     if kind == 'loop':  # the reference needs no bucketing: one call per group
@@ -329,7 +330,6 @@ def _run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping |
         if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
         for g, ps in todo:
             if not ps: continue
-            if loss_scale is not None: unscale_grads(ps, loss_scale)
             if id(g) in scales: _scale_grads(ps, *scales[id(g)])
             with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
