@@ -1090,7 +1090,7 @@ def test_inductor_gets_the_scalars_pass_and_no_size_asserts(monkeypatch) -> None
     assert [str(n.target) for n in graph.nodes if str(n.target).startswith('cbopt.')] == ['cbopt.scalars.default']
 
 
-# -- found by the engine's mutation sample (seventh session: docs/mutation.md) --------------------------------------
+# -- found by the engine's mutation sample (eighth session: docs/mutation.md) --------------------------------------
 @pytest.mark.parametrize('small', [0, 1, 2])
 def test_flat_runs_with_no_one_or_two_small_params(small) -> None:
     """The compiled chain's flat inputs over buckets of large params with 0, 1 or 2 small ones: small params are packed
