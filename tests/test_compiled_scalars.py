@@ -141,7 +141,7 @@ def test_float32_loops_read_float32_numbers_and_float64_ones_keep_theirs(monkeyp
     assert_rel_close(f64, run(cbopt.Backend('loop'), torch.float64)[0], rtol=1e-12)
 
 
-def test_scalars_once_has_a_key_for_inductors_graph_cache() -> None:
+def test_scalars_once_has_a_key_for_the_graph_cache() -> None:
     """Inductor's FX graph cache keys a custom pass by its `uuid`: the hash of the pass's source file, the same for
     every instance (a cached graph compiled with another version of the pass is not reused)."""
     from torch._inductor.custom_graph_pass import get_hash_for_files

@@ -311,7 +311,7 @@ def test_flat_whole_model_state_of_other_params_is_rejected() -> None:
             f"are not this group's: it cannot be put in their order")
 
 
-def test_flat_whole_model_state_in_several_groups_is_refused_before_anything_changes() -> None:
+def test_flat_whole_model_state_in_several_groups_is_rejected_before_anything_changes() -> None:
     """A callback with state flat over its group's params (`flat_state`) listed by two groups would keep one vector over
     both groups' params in the first's entries, which no checkpoint could load back (whose params, in what order):
     refused, naming the callback and the groups, when the optimizer is made, when a group listing it is added (the

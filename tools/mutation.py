@@ -59,10 +59,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                        *[f'tests/test_compiled_scalars.py::{t}' for t in (
                                            'test_scalars_once_dedupes_drops_inputs_and_merges',
                                            'test_scalars_once_keeps_one_barrier_per_converted_value',
-                                           'test_scalars_once_has_a_key_for_inductors_graph_cache')],
+                                           'test_scalars_once_has_a_key_for_the_graph_cache')],
                                        # `model_plan`'s refusal of flat whole-model state in several groups
                                        'tests/test_state_units.py::'
-                                       'test_flat_whole_model_state_in_several_groups_is_refused_before_anything_changes']),
+                                       'test_flat_whole_model_state_in_several_groups_is_rejected_before_anything_changes']),
 }
 
 # functions mutmut 3 cannot measure, left unmutated (docs/mutation.md says why): `_each_op`/`_each_op_` are called
