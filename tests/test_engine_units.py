@@ -576,10 +576,10 @@ def test_a_kernel_given_a_grad_scale_steps_as_torchs_clip_then_fused_adamw(monke
     assert [opt.state[p]['step'] for p in model.parameters()] == [5] * 4
 
 
-def _count_fused_adamw(monkeypatch) -> list:
-    "A list that gets one entry per call of torch's `_fused_adamw_`."
-    calls, real = [], torch._fused_adamw_
-    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(1) or real(*a, **k))
+def _count_calls(monkeypatch, kernel: str = '_fused_adamw_') -> list:
+    "A list that gets one entry per call of torch's `kernel`."
+    calls, real = [], getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -598,7 +598,7 @@ def test_a_tensor_valued_kernel_number_runs_the_chain(monkeypatch) -> None:
     """torch's kernels take `mom`, `sqr_mom`, `eps` and `wd` as Python floats (a tensor lr aside): a tensor given as
     one of them, here a `mom` that requires grad (as in hypergradient descent; the kernel refuses such a tensor), runs
     the chain in the fused backend, which steps as the loop."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
     mom = torch.tensor(0.9, requires_grad=True)
     got = _adam_steps('auto', mom=mom)
     assert calls == []
@@ -610,7 +610,7 @@ def test_an_adam_group_with_a_dampening_hyper_runs_the_chain(monkeypatch) -> Non
     """A group's `dampening` hyper reaches Adam's moment callbacks (`average_grad`, `average_sqr_grad`): False leaves
     both undamped, which torch's kernel does not compute (with eps=0.1 the update differs by a third), so the fused
     backend runs the chain for that group and steps as the loop."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
     undamped = dict(group={'dampening': False}, eps=0.1)
     got = _adam_steps('auto', **undamped)
     assert calls == []
@@ -623,7 +623,7 @@ def test_the_kernels_tensors_go_on_the_params_device_not_the_default_one(monkeyp
     """Under `with torch.device('meta')` (a default device, as when a model is built on meta) CPU params step with
     torch's kernel as without it: its step count and the buffer of clipped grads (`clip_grad_norm`, on copies) are
     made on the params' device."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
 
     def run(default_device: str) -> list:
         m = torch.nn.Linear(4, 3)
@@ -652,7 +652,7 @@ def test_the_kernels_tensors_go_on_the_params_device_not_the_default_one(monkeyp
 def test_dtensor_params_step_with_torchs_adam_kernel(one_rank_mesh, monkeypatch) -> None:
     """DTensor has a sharding rule for torch's Adam kernels (not for its SGD and Adagrad ones): params sharded as
     DTensors step with `_fused_adamw_`, as plain params do, bit for bit."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))
     plain = torch.nn.Parameter(torch.linspace(-1., 1., 6))
     opts = [cbopt.Adam([q], lr=0.1, backend='fused') for q in (w, plain)]
@@ -832,7 +832,7 @@ def test_a_group_in_eval_mode_refuses_to_step_its_grads() -> None:
 def test_auto_scales_the_grads_inside_torchs_kernel(monkeypatch) -> None:
     """`auto`, as `fused`, hands `clip_grad_norm`'s coefficient to torch's kernel: no separate multiply of the grads
     (`_foreach_mul`), the user's grads left as they were."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
     real = torch._foreach_mul
     monkeypatch.setattr(torch, '_foreach_mul', lambda *a, **k: pytest.fail('the grads were scaled outside the kernel'))
     m = torch.nn.Linear(4, 3)
@@ -1063,11 +1063,12 @@ def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> 
         _close_each(ps, qs, what=f'step {i}')
 
 
-def test_inductor_gets_the_scalars_pass_and_no_size_asserts(monkeypatch) -> None:
+def test_torch_compile_is_asked_for_one_graph_and_the_scalars_pass(monkeypatch) -> None:
+    """The options the compiled chain gives torch.compile: the whole chain in one graph (`fullgraph=True`: a graph
+    break is a failure, so the foreach fallback); for inductor, `ScalarsOnce` as its post-grad pass (run on the graph,
+    it merges that graph's `scalar`s) and no size asserts (dynamo's guards check the sizes); for any other backend
+    none (its backends ignore inductor's options, with a warning). (torch.compile recorded, not run.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
-    """The options the compiled chain gives torch.compile: for inductor, `ScalarsOnce` as its post-grad pass (run on
-    the graph, it merges that graph's `scalar`s) and no size asserts (dynamo's guards check the sizes); for any other
-    backend none (its backends ignore inductor's options, with a warning)."""
     seen = []
     def compile_(fn, backend, fullgraph, options):
         seen.append((backend, fullgraph, options))
@@ -1123,34 +1124,10 @@ def test_each_bucket_keeps_its_own_flat_aliases() -> None:
                                                                                         sorted(map(id, ps[2:]))])
 
 
-@pytest.mark.parametrize('compiler', ['inductor', 'eager'], ids=['with_the_pass', 'no_options'])
-def test_the_chain_is_compiled_whole_with_cbopts_graph_pass(compiler, monkeypatch) -> None:
-    """What `torch.compile` is asked for: the whole chain in one graph (`fullgraph=True`: a graph break is a failure,
-    so the foreach fallback), and for inductor, the `ScalarsOnce` pass and no size asserts; no options for another
-    compiler. (torch.compile recorded, not run: the chain then runs eagerly, as the loop.)"""
-    asked = []
-    monkeypatch.setattr(compiled, '_COMPILED', {})
-    monkeypatch.setattr(torch, 'compile', lambda fn, **kw: asked.append(kw) or fn)
-    start, grads = _params_and_grads([(4, 3), (5,)], 3, seed=5)
-    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
-    opt = cbopt.Lion(ps, lr=0.1, backend=cbopt.Backend('fused', compiler=compiler))
-    ref = cbopt.Lion(qs, lr=0.1, backend='loop')
-    for gs in grads:
-        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
-        opt.step(), ref.step()
-    _close_each(ps, qs)
-    (kw,) = asked
-    assert kw['backend'] == compiler and kw['fullgraph'] is True
-    if compiler == 'eager': assert kw['options'] is None
-    else:
-        assert kw['options']['size_asserts'] is False
-        assert isinstance(kw['options']['post_grad_custom_post_pass'], compiled.ScalarsOnce)
-
-
 def test_a_tensor_lr_steps_with_torchs_kernel(monkeypatch) -> None:
     """A 0-d tensor lr on the params' device is what torch's fused kernels take too: cbopt's Adam steps with
     `_fused_adamw_`, bit for bit torch's fused Adam given the same tensor lr."""
-    calls = _count_fused_adamw(monkeypatch)
+    calls = _count_calls(monkeypatch)
     start, grads = _params_and_grads([(4, 3), (5,)], 4, seed=6)
     ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
     opt = cbopt.Adam(ps, lr=torch.tensor(0.01), mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., backend='fused')
@@ -1166,8 +1143,7 @@ def test_a_tensor_lr_steps_with_torchs_kernel(monkeypatch) -> None:
 def test_decoupled_adagrad_runs_its_chain_unless_it_has_no_decay(wd, monkeypatch) -> None:
     """torch's Adagrad kernel decays by L2 only: cbopt's Adagrad with `decouple_wd=True` steps with it only at zero
     decay, else with its chain (as the loop backend), over 4 steps."""
-    calls, real = [], torch._fused_adagrad_
-    monkeypatch.setattr(torch, '_fused_adagrad_', lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_calls(monkeypatch, '_fused_adagrad_')
     start, grads = _params_and_grads([(4, 3), (5,)], 4, seed=7)
     ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
     opt = cbopt.Adagrad(ps, lr=0.1, wd=wd, decouple_wd=True, backend=EAGER)
@@ -1185,8 +1161,7 @@ def test_decoupled_adagrad_runs_its_chain_unless_it_has_no_decay(wd, monkeypatch
 def test_dtensor_params_of_sgd_and_adagrad_do_not_reach_their_kernels(make, kernel, one_rank_mesh, monkeypatch) -> None:
     """DTensor has no sharding rule for torch's SGD and Adagrad kernels: params sharded as DTensors step with the
     chain (compiled), as plain params do with the kernel."""
-    calls, real = [], getattr(torch, kernel)
-    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_calls(monkeypatch, kernel)
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))
     plain = torch.nn.Parameter(torch.linspace(-1., 1., 6))
     opts = [make([w], EAGER), make([plain], EAGER)]
