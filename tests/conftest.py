@@ -9,6 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# A compiled chain that cannot compile falls back to foreach with one warning, stepping the same values: in the files
+# that test the compiled path, that warning fails the test (`pytestmark = NO_COMPILE_FALLBACK`), or a broken compiled
+# path would pass unseen.
+NO_COMPILE_FALLBACK = pytest.mark.filterwarnings('error:the callback chain could not be compiled')
+
+
 @pytest.fixture
 def one_thread():
     """Run a test on one intra-op thread: these tensors are tiny, and CPU kernels that go parallel (torch's fused

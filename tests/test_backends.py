@@ -22,10 +22,9 @@ from cbopt.engine import auto as auto_runner
 from cbopt.engine import buckets as bucketing
 from cbopt.engine import foreach as foreach_runner
 from cases import CASES, Case, case
-from conftest import assert_rel_close, assert_same_params, make_model, set_grads, train, two_groups
+from conftest import NO_COMPILE_FALLBACK, assert_rel_close, assert_same_params, make_model, set_grads, train, two_groups
 
-pytestmark = [pytest.mark.usefixtures('one_thread'),
-              pytest.mark.filterwarnings('error:the callback chain could not be compiled')]  # (a fallback: the same values)
+pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]
 STEPS = 100
 SLOW = bool(os.environ.get('CBOPT_SLOW'))
 EXACT = dict(rtol=0., atol=0.)

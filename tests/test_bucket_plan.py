@@ -12,10 +12,9 @@ import cbopt
 from cbopt.engine import Backend
 from cbopt.engine import buckets as bucketing
 from cbopt.engine.runtime import runtime
-from conftest import assert_rel_close, make_model, set_grads, train
+from conftest import NO_COMPILE_FALLBACK, assert_rel_close, make_model, set_grads, train
 
-pytestmark = [pytest.mark.usefixtures('one_thread'),
-              pytest.mark.filterwarnings('error:the callback chain could not be compiled')]  # (a fallback: the same values)
+pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]
 
 
 def plan(opt):

@@ -8,10 +8,9 @@ from torch import nn
 
 import cbopt
 from cbopt import chain
-from conftest import assert_rel_close, make_model, set_grads
+from conftest import NO_COMPILE_FALLBACK, assert_rel_close, make_model, set_grads
 
-# a compiled chain that falls back to foreach steps the same values: its warning fails the test
-pytestmark = pytest.mark.filterwarnings('error:the callback chain could not be compiled')
+pytestmark = NO_COMPILE_FALLBACK
 
 SGD_MOM = [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step]
 

@@ -16,9 +16,9 @@ from cbopt.engine import buckets as bucketing
 from cbopt.engine import compiled
 from cbopt.engine.compiled import PAD_NUMEL, ScalarArgsAsTensors, can_flatten, flat_chunks, padding, shape_chunks
 from cbopt.engine.runtime import warn_once
+from conftest import NO_COMPILE_FALLBACK
 
-# a compiled chain that falls back to foreach steps the same values: its warning fails the test
-pytestmark = pytest.mark.filterwarnings('error:the callback chain could not be compiled')
+pytestmark = NO_COMPILE_FALLBACK
 
 
 # -- Backend -----------------------------------------------------------------------------------------------------

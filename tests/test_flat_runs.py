@@ -12,9 +12,9 @@ import cbopt
 from cbopt.chain import zeros
 from cbopt.engine import compiled
 from cbopt.engine.runtime import runtime
+from conftest import NO_COMPILE_FALLBACK
 
-# a compiled chain that falls back to foreach steps the same values: its warning fails the test
-pytestmark = pytest.mark.filterwarnings('error:the callback chain could not be compiled')
+pytestmark = NO_COMPILE_FALLBACK
 
 BIG = (130, 130)  # more than PACK_NUMEL elements: stepped alone
 SHAPES = [(5,), BIG, (3, 4), (7,), (2, 3, 4), (200, 90), (6,), (9,)]
