@@ -11,7 +11,8 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .chain import around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, param_chain, unwrap
+from .chain import (around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, flat_model_keys,
+                    param_chain, unwrap)
 from .engine import Backend, as_backend
 from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
@@ -133,7 +134,8 @@ class Optimizer(torch.optim.Optimizer):
             fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
         for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
-        engine.model_plan([*self.param_groups, g])  # (refuses a chain that cannot join the others: before it does)
+        if flat_model_keys(g['cbs']):  # a callback with flat state in another group too is refused, before it joins
+            engine.model_plan([*self.param_groups, g])  # (only such a callback can make the groups conflict)
         self.param_groups.append(g)
         if not self._building:
             if self.group_layers is not None:  # a layer group of its own
