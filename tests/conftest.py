@@ -85,10 +85,27 @@ def assert_rel_close(actual: nn.Module, expected: nn.Module, rtol: float = 1e-6,
     chains) differ by the fp32 rounding of each *step* (~lr * 2**-24 per step, whatever the param's size), so a
     tensor that decays towards 0 under weight decay shows a large *relative* error made of nothing but rounding. The
     cases that need a floor say so, with the reason, in `cases.py`; no comparison uses the model's largest param."""
-    for (n, a), b in zip(actual.named_parameters(), expected.parameters(), strict=True):
-        err, scale = (a - b).abs().max().item(), b.abs().max().item()
-        assert err <= max(rtol * scale, atol), \
-            f"{msg} param {n}: max abs diff {err:.3g} > max({rtol:g} * {scale:.3g}, {atol:g})"
+    named = list(actual.named_parameters())
+    assert_tensors_close([a for _, a in named], list(expected.parameters()), rtol, atol, msg,
+                         names=[f'param {n}' for n, _ in named])
+
+
+def assert_tensors_close(actual: list, expected: list, rtol: float = 1e-6, atol: float = 0., msg: str = '',
+                         names: list[str] | None = None) -> None:
+    """`assert_rel_close` for lists of tensors (state entries, flat params, complex params), pair by pair."""
+    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+        assert_tensor_close(a, b, f'{msg} {names[i] if names else f"tensor {i}"}', rtol, atol)
+
+
+def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = '', rtol: float = 1e-6,
+                        atol: float = 0.) -> None:
+    """`actual` of `expected`'s shape and within `rtol` of `expected`'s own largest magnitude, or within `atol`
+    (compared in double precision, complex kept complex)."""
+    wide = lambda t: t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
+    a, b = wide(actual), wide(expected)
+    assert a.shape == b.shape, f'{msg}: shape {tuple(a.shape)} != {tuple(b.shape)}'
+    err, scale = ((a - b).abs().max().item(), b.abs().max().item()) if b.numel() else (0., 0.)
+    assert err <= max(rtol * scale, atol), f"{msg}: max abs diff {err:.3g} > max({rtol:g} * {scale:.3g}, {atol:g})"
 
 
 def assert_same_params(actual: nn.Module, expected: nn.Module, msg: str = '') -> None:

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import cbopt
+from conftest import assert_tensors_close
 
 BACKENDS = {'loop': 'loop', 'foreach': 'foreach', 'auto': 'auto',
             'fused': cbopt.Backend('fused', compiler='aot_eager')}  # aot_eager: tracing without inductor's codegen
@@ -31,13 +32,6 @@ OPTIMIZERS = {  # name: (cbopt factory, torch's class and arguments where cbopt.
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-
-
-def assert_close(actual, expected, rtol=1e-6, what=''):
-    "Equal within `rtol` of each tensor's own scale (its largest magnitude)."
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        err, scale = (a - e).abs().max().item(), e.abs().max().item()
-        assert err <= rtol * scale, f"{what} tensor {i}: off by {err:.3g}, {err / scale:.3g} of its scale"
 
 
 def _set_lr(opt, lr):
@@ -78,7 +72,7 @@ def test_compiled_step_one_graph_every_backend(backend, lr_kind):
     model, opt = run(make, lr, compiler='eager')
     assert graphs() == (1 if lr_kind == 'tensor' else 2), graphs()
     ref, _ = run(make, lr, compiled=False)
-    assert_close(list(model.parameters()), list(ref.parameters()), what=backend)
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()), msg=backend)
     assert opt.state_dict()['state'][0]['step'] == 12 and isinstance(opt.state_dict()['state'][0]['step'], int)
 
 
@@ -93,16 +87,16 @@ def test_compiled_step_matches_eager_and_torch(name):
     ours = graphs()
     assert ours == 1
     ref, _ = run(make, lr, compiled=False)
-    assert_close(list(model.parameters()), list(ref.parameters()), what=name)
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()), msg=name)
     if twin is not None:
         def theirs(ps, lr): return twin[0](ps, lr=lr, foreach=False, **twin[1])
         compiled, _ = run(theirs, lr, fullgraph=False, compiler='eager')
         assert ours <= graphs()  # (torch's SGD compiles again once its momentum buffers exist; cbopt's exist before)
         eager, _ = run(theirs, lr, compiled=False)
-        assert_close(list(model.parameters()), list(eager.parameters()), what=f'{name} vs torch')
+        assert_tensors_close(list(model.parameters()), list(eager.parameters()), msg=f'{name} vs torch')
         # torch's compiled step keeps its count as a float32 tensor (its bias corrections in float32): 3e-6 from its
         # eager step here, where cbopt's counts are float64
-        assert_close(list(model.parameters()), list(compiled.parameters()), rtol=1e-5, what=f'{name} vs torch compiled')
+        assert_tensors_close(list(model.parameters()), list(compiled.parameters()), rtol=1e-5, msg=f'{name} vs torch compiled')
 
 
 def test_no_graph_break_inside_a_function():
@@ -138,7 +132,7 @@ def test_step_count_and_grads_under_compile():
         for p, (g, before) in zip(model.parameters(), grads): assert p.grad is g and torch.equal(g, before)
         for o in (opt, ref): o.zero_grad()
     assert graphs() == 1
-    assert_close(list(model.parameters()), list(ref_model.parameters()))
+    assert_tensors_close(list(model.parameters()), list(ref_model.parameters()))
     count = opt.state[model[0].weight]['step']
     assert isinstance(count, torch.Tensor) and count.dtype == torch.float64 and count.item() == 9
     sd = opt.state_dict(format='cbopt')
@@ -177,7 +171,7 @@ def test_untraceable_step_is_one_graph_break(case):
             torch.compile(step, backend='eager', fullgraph=True)(torch.ones(3))
         model, _ = run(make, torch.tensor(1e-2), fullgraph=False, compiler='eager')
         ref, _ = run(make, torch.tensor(1e-2), compiled=False)
-        assert_close(list(model.parameters()), list(ref.parameters()), rtol=0)
+        assert_tensors_close(list(model.parameters()), list(ref.parameters()), rtol=0)
 
 
 def test_state_created_in_a_later_step_and_none_grads():
@@ -195,4 +189,4 @@ def test_state_created_in_a_later_step_and_none_grads():
             opt.zero_grad()
         results.append(list(model.parameters()))
         assert opt.state_dict()['state'][3]['step'] == 3 and opt.state_dict()['state'][0]['step'] == 6
-    assert_close(results[0], results[1])
+    assert_tensors_close(results[0], results[1])

@@ -10,6 +10,7 @@ from torch.testing._internal.common_optimizers import optim_db
 
 import cbopt
 from cases import CASES, Case
+from conftest import assert_tensors_close
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -42,14 +43,6 @@ def run(opt, ps: list, steps: int = STEPS, start: int = 0) -> None:
         opt.step()
 
 
-def assert_close(actual: list, expected: list, rtol: float = 2e-5) -> None:
-    "Each tensor within `rtol` of the reference, relative to that tensor's own scale."
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        scale = e.detach().abs().max().clamp(min=1e-12)
-        err = (a.detach() - e.detach()).abs().max()
-        assert err <= rtol * scale, f"param {i}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
-
-
 def configs():
     for name, info in COMPLEX.items():
         for i, inp in enumerate(info.optim_inputs_func(device='cpu')):
@@ -70,7 +63,7 @@ def test_complex_steps_as_torch(name, config, kwargs):
         torch_opt = getattr(torch.optim, name)(theirs, **kwargs, **(impl or {'foreach': False}))
         run(opt, ours)
         run(torch_opt, theirs)
-        assert_close(ours, theirs)
+        assert_tensors_close(ours, theirs, rtol=2e-5)
         for p, q in zip(ours, theirs):
             for k, v in torch_opt.state[q].items():
                 if torch.is_tensor(v) and v.shape == q.shape: assert v.is_complex()
@@ -90,8 +83,8 @@ def test_complex_state_dicts_load_both_ways(name):
     torch_back = getattr(torch.optim, name)(c)
     torch_back.load_state_dict(copy.deepcopy(opt.state_dict()))
     for o, ps in ((torch_opt, a), (opt, b), (torch_back, c)): run(o, ps, 3, start=3)
-    assert_close(b, a)
-    assert_close(c, a)
+    assert_tensors_close(b, a, rtol=2e-5)
+    assert_tensors_close(c, a, rtol=2e-5)
 
 
 @pytest.mark.parametrize('name', REFUSED)
@@ -129,7 +122,7 @@ def test_lbfgs_steps_complex_params_as_torch(backend, line_search_fn):
     for _ in range(6):
         assert opt.step(closure(ours, opt)).item() == pytest.approx(torch_opt.step(closure(theirs, torch_opt)).item(),
                                                                     rel=1e-5)
-    assert_close(ours, theirs)
+    assert_tensors_close(ours, theirs, rtol=2e-5)
     assert complex_loss(ours).item() < complex_loss(complex_params()).item() / 100
     back = complex_params()
     with torch.no_grad():
@@ -137,7 +130,7 @@ def test_lbfgs_steps_complex_params_as_torch(backend, line_search_fn):
     torch_back = torch.optim.LBFGS(back, history_size=5, line_search_fn=line_search_fn)
     torch_back.load_state_dict(copy.deepcopy(opt.state_dict()))
     for o, ps in ((torch_opt, theirs), (torch_back, back)): o.step(closure(ps, o))
-    assert_close(back, theirs)
+    assert_tensors_close(back, theirs, rtol=2e-5)
 
 
 def as_real_params(ps: list) -> list[torch.Tensor]:

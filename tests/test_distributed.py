@@ -8,13 +8,9 @@ from torch import nn
 
 import cbopt
 import distributed as D
+from conftest import assert_tensor_close
 
 STEPS = 5
-
-
-def assert_close_at_scale(a: torch.Tensor, b: torch.Tensor, name: str, rtol: float = 1e-6) -> None:
-    "Equal within `rtol` of the tensor's own scale."
-    assert (a - b).abs().max() <= rtol * b.abs().max() + 1e-12, name
 
 
 def reference(steps: int = STEPS):
@@ -32,12 +28,12 @@ def test_ddp_and_zero_equal_one_process_and_zero_checkpoint_loads_by_position():
     for r in ranks:
         assert r['names'] == list(ref)  # DDP's `module.` prefix is not part of the names
         for n in ref:
-            assert_close_at_scale(r['ddp'][n], ref[n], f'ddp {n}')
-            assert_close_at_scale(r['zero'][n], ref[n], f'zero {n}')
+            assert_tensor_close(r['ddp'][n], ref[n], f'ddp {n}')
+            assert_tensor_close(r['zero'][n], ref[n], f'zero {n}')
     ref_state = opt.named_state_dict()['state']
     for n, s in ranks[0]['ddp_state']['state'].items():
         for k, v in s.items():
-            if torch.is_tensor(v): assert_close_at_scale(v, ref_state[n][k], f'{n} {k}')
+            if torch.is_tensor(v): assert_tensor_close(v, ref_state[n][k], f'{n} {k}')
     # ZeRO's consolidated state_dict: global ids, cbopt's state names and chain, global positions as names (its params
     # were given unnamed); readable with weights_only; loads into a named optimizer by position
     buf = io.BytesIO()
@@ -50,7 +46,7 @@ def test_ddp_and_zero_equal_one_process_and_zero_checkpoint_loads_by_position():
     fresh.load_state_dict(sd)
     assert fresh.hypers[0]['lr'] == 1e-2 and fresh.hypers[0]['wd'] == 0.1
     for n, p in fresh.named_params().items():
-        for k in ('grad_avg', 'sqr_avg'): assert_close_at_scale(fresh.state[p][k], ref_state[n][k], f'zero sd {n} {k}')
+        for k in ('grad_avg', 'sqr_avg'): assert_tensor_close(fresh.state[p][k], ref_state[n][k], f'zero sd {n} {k}')
         assert fresh.state[p]['step'] == STEPS
 
 
@@ -70,7 +66,7 @@ def test_zero_checkpoint_of_named_ranks_loads_by_name_and_back(tmp_path):
     got = split.named_state_dict()
     assert [h['lr'] for h in split.hypers] == [1e-2, 1e-2] and [h['wd'] for h in split.hypers] == [0.1, 0.1]
     for n, s in want.items():
-        for k in ('grad_avg', 'sqr_avg'): assert_close_at_scale(got['state'][n][k], s[k], f'{n} {k}')
+        for k in ('grad_avg', 'sqr_avg'): assert_tensor_close(got['state'][n][k], s[k], f'{n} {k}')
         assert got['state'][n]['step'] == STEPS
     assert sorted(n for r in ranks for n in r['names']) == sorted(opt.param_names)  # each rank names its own share
     D.train(model, opt, 3, start=STEPS)
@@ -78,8 +74,8 @@ def test_zero_checkpoint_of_named_ranks_loads_by_name_and_back(tmp_path):
         assert r['refused'].startswith('param group 0 (') and 'was saved by the chain [average_grad,momentum_step]' in r['refused']
         assert r['names_after_load'] == r['names']
         assert sorted(r['loaded']['state']) == sorted(r['names'])
-        for n in r['names']: assert_close_at_scale(r['loaded']['state'][n]['sqr_avg'], want[n]['sqr_avg'], f'loaded {n}')
-        for n, p in D.params(model).items(): assert_close_at_scale(r['final'][n], p, f'resumed {n}')
+        for n in r['names']: assert_tensor_close(r['loaded']['state'][n]['sqr_avg'], want[n]['sqr_avg'], f'loaded {n}')
+        for n, p in D.params(model).items(): assert_tensor_close(r['final'][n], p, f'resumed {n}')
 
 
 def test_zero_with_an_empty_partition():
@@ -90,7 +86,7 @@ def test_zero_with_an_empty_partition():
     opt = cbopt.Adam(lin.parameters(), lr=1e-2)
     D.train(lin, opt, 3)
     assert sorted(r['local_params'] for r in ranks) == [0, 1]
-    for r in ranks: assert_close_at_scale(r['weight'], lin.weight.detach(), 'weight')
+    for r in ranks: assert_tensor_close(r['weight'], lin.weight.detach(), 'weight')
 
 
 def test_zero_load_of_a_bad_checkpoint_changes_nothing_on_any_rank():
@@ -157,7 +153,7 @@ def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path, kind, flat):
     same = continued(saved['state'], saved['params'], DCP_MORE, DCP_STEPS)
     for n, p in D.params(model).items():
         assert torch.equal(p, same[n]), n
-        for r in ranks: assert_close_at_scale(p, r['final'][n], f'uninterrupted {n}')
+        for r in ranks: assert_tensor_close(p, r['final'][n], f'uninterrupted {n}')
 
 
 @pytest.mark.parametrize('kind', ['ddp', 'fsdp'])
@@ -177,7 +173,7 @@ def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path, kind):
         assert_same_state(r['state'], saved, 'loaded state')
         for n, p in weights.items(): assert torch.equal(r['params'][n], p), n
         for n, p in D.params(model).items():
-            assert_close_at_scale(r['final'][n], p, f'uninterrupted {n}')
+            assert_tensor_close(r['final'][n], p, f'uninterrupted {n}')
             assert torch.equal(r['final'][n], ranks[0]['final'][n]), n
 
 

@@ -16,7 +16,7 @@ from cbopt.engine import buckets as bucketing
 from cbopt.engine import compiled
 from cbopt.engine.compiled import PAD_NUMEL, ScalarArgsAsTensors, can_flatten, flat_chunks, padding, shape_chunks
 from cbopt.engine.runtime import warn_once
-from conftest import NO_COMPILE_FALLBACK
+from conftest import NO_COMPILE_FALLBACK, assert_tensors_close
 
 pytestmark = NO_COMPILE_FALLBACK
 
@@ -863,15 +863,6 @@ def test_a_step_gradscaler_found_infs_in_changes_nothing_and_says_so() -> None:
 
 # -- the compiled chain's Python, compiled with dynamo's `eager` backend (no code generation: a second or two each) --
 
-def _close_each(actual: list, expected: list, rtol: float = 1e-6, what: str = '') -> None:
-    "Each tensor within `rtol` of its counterpart's own largest magnitude."
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        a, e = a.detach().double(), e.detach().double()
-        assert a.shape == e.shape, f'{what} tensor {i}: shape {tuple(a.shape)} != {tuple(e.shape)}'
-        err, scale = (a - e).abs().max().item() if a.numel() else 0., e.abs().max().item() if e.numel() else 0.
-        assert err <= rtol * scale, f'{what} tensor {i}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}'
-
-
 EAGER = cbopt.Backend('fused', compiler='eager', compile_chunk=4)
 SMALL_AND_LARGE = [(130, 130), (5,), (3, 4), (7,), (2, 2, 2), (1,), (6,)]  # one param above PACK_NUMEL, six packed
 
@@ -905,10 +896,10 @@ def test_a_packed_chain_that_rebinds_its_state_gives_each_param_its_own() -> Non
         ref.param_groups[0]['lr'] = 0.1 / (i + 1)
         opt.step()
         ref.step()
-        _close_each(ps, qs, what=f'step {i}')
+        assert_tensors_close(ps, qs, msg=f'step {i}')
     (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
     assert sorted(kept['pack'].members) == [1, 2, 3, 4, 5, 6]
-    _close_each([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
+    assert_tensors_close([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
     assert all(torch.equal(opt.state[p]['n'], torch.tensor(4.)) for p in ps)
     for key in ('grad_avg', 'n'): assert len({opt.state[p][key].data_ptr() for p in ps}) == len(ps), key
 
@@ -958,8 +949,8 @@ def test_a_bucket_that_cannot_be_flattened_steps_by_shape() -> None:
         assert not can_flatten(bucketing.buckets(opt)[0])
         opt.step()
         ref.step()
-        _close_each(ps, qs)
-    _close_each([opt.state[p]['inf_norm'] for p in ps], [ref.state[q]['exp_inf'] for q in qs])
+        assert_tensors_close(ps, qs)
+    assert_tensors_close([opt.state[p]['inf_norm'] for p in ps], [ref.state[q]['exp_inf'] for q in qs])
 
 
 # -- the step traced by an outer torch.compile (`traced.py`) ------------------------------------------------------
@@ -992,12 +983,12 @@ def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
             assert opt.step_stats == {'lr': [0.01, 0.02], 'skipped': False}
         else: opt.step()
         ref.step()
-        _close_each(ps, qs, what=f'step {i}')
+        assert_tensors_close(ps, qs, msg=f'step {i}')
         if i < 4:
             steps = [opt.state[p]['step'] for p in ps[:3]]
             assert all(s.dtype == torch.float64 and s.ndim == 0 and s.item() == i + 1 for s in steps), steps
     assert torch.equal(ps[3], untouched) and not opt.state[ps[3]]
-    _close_each([opt.state[p]['sqr_avg'] for p in ps[:3]], [ref.state[q]['exp_avg_sq'] for q in qs[:3]])
+    assert_tensors_close([opt.state[p]['sqr_avg'] for p in ps[:3]], [ref.state[q]['exp_avg_sq'] for q in qs[:3]])
 
 
 def _refusing(case: str, mesh=None):
@@ -1060,7 +1051,7 @@ def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> 
         if i % 2: assert with_closure().item() == len(calls) == (i + 1) // 2
         else: whole()
         ref.step()
-        _close_each(ps, qs, what=f'step {i}')
+        assert_tensors_close(ps, qs, msg=f'step {i}')
 
 
 def test_torch_compile_is_asked_for_one_graph_and_the_scalars_pass(monkeypatch) -> None:
@@ -1104,7 +1095,7 @@ def test_flat_runs_with_no_one_or_two_small_params(small) -> None:
     for i, gs in enumerate(grads):
         for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
         opt.step(), ref.step()
-        _close_each(ps, qs, what=f'step {i}')
+        assert_tensors_close(ps, qs, msg=f'step {i}')
     (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
     assert (sorted(kept['pack'].members) if 'pack' in kept else None) == ([2, 3] if small == 2 else None)
 
@@ -1135,7 +1126,7 @@ def test_a_tensor_lr_steps_with_torchs_kernel(monkeypatch) -> None:
     for gs in grads:
         for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
         opt.step(), ref.step()
-    _close_each(ps, qs, rtol=0)
+    assert_tensors_close(ps, qs, rtol=0)
     assert len(calls) == len(grads) - 1  # ours from the second step (the first makes the state; torch's is _fused_adam_)
 
 
@@ -1151,7 +1142,7 @@ def test_decoupled_adagrad_runs_its_chain_unless_it_has_no_decay(wd, monkeypatch
     for gs in grads:
         for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
         opt.step(), ref.step()
-    _close_each(ps, qs)
+    assert_tensors_close(ps, qs)
     assert len(calls) == (0 if wd else len(grads) - 1)
 
 

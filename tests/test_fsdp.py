@@ -10,17 +10,12 @@ import cbopt
 import dist_fsdp as F
 import distributed as D
 from cases import CASES, case
+from conftest import assert_tensor_close
 
 STEPS = 5  # lookahead-sgd (k=5) syncs its slow weights once: a copy into DTensors
 LR = 3e-2
 ELEMENTWISE = [c.id for c in CASES if not c.tensor_scope]
 TENSOR_SCOPE = [c.id for c in CASES if c.tensor_scope]
-
-
-def assert_close_at_scale(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = 1e-6) -> None:
-    "Equal within `rtol` of the tensor's own scale."
-    err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= rtol * scale, f"{what}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}"
 
 
 def one_process(cid: str, backend, steps: int = STEPS) -> dict:
@@ -41,7 +36,7 @@ def check_cases(ids: list, backends: list, reference: dict | None = None) -> dic
             for r, res in enumerate(ranks):
                 got = res[(cid, str(be))]
                 assert got['dtensor_state'], f"{cid} {be}: its state is not sharded as its params"
-                for n, p in ref.items(): assert_close_at_scale(got['params'][n], p, f"{cid} {be} rank {r} {n}")
+                for n, p in ref.items(): assert_tensor_close(got['params'][n], p, f"{cid} {be} rank {r} {n}")
     return ranks[0]
 
 
@@ -94,9 +89,9 @@ def test_clipping_and_skipping_across_ranks():
                 assert got['plain_norms'] and got['grads_kept'], (be, norm_type)
                 torch.testing.assert_close(got['norms'], torch_ref['norms'], rtol=1e-6, atol=0)
                 for n, p in torch_ref['params'].items():
-                    assert_close_at_scale(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n}")
+                    assert_tensor_close(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n}")
                 for n, p in D.params(model).items():
-                    assert_close_at_scale(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n} (one process)")
+                    assert_tensor_close(got['params'][n], p, f"{be} norm {norm_type} rank {r} {n} (one process)")
     # sharded body and replicated head: the norm counts each once
     model = D.make_model()
     opt = cbopt.GradientClippingOptimizer(cbopt.Adam(model.named_parameters(), lr=1e-2), cbopt.GradientClipping.NORM,
@@ -107,7 +102,7 @@ def test_clipping_and_skipping_across_ranks():
         norms.append(opt.last_total_grad_norm.item())
     for r, res in enumerate(ranks):
         torch.testing.assert_close(res['mixed']['norms'], norms, rtol=1e-6, atol=0)
-        for n, p in D.params(model).items(): assert_close_at_scale(res['mixed']['params'][n], p, f"mixed rank {r} {n}")
+        for n, p in D.params(model).items(): assert_tensor_close(res['mixed']['params'][n], p, f"mixed rank {r} {n}")
     # a NaN in rank 1's shard only: both ranks skip that step, and the run equals one process without that batch
     model = D.make_model()
     opt = cbopt.Adam(model.named_parameters(), lr=1e-2)
@@ -116,7 +111,7 @@ def test_clipping_and_skipping_across_ranks():
     for r, res in enumerate(ranks):
         skip = res['skip']
         assert skip['skipped'] == [i == NAN_STEP for i in range(STEPS)] and skip['total'] == 1, (r, skip)
-        for n, p in D.params(model).items(): assert_close_at_scale(skip['params'][n], p, f"skip rank {r} {n}")
+        for n, p in D.params(model).items(): assert_tensor_close(skip['params'][n], p, f"skip rank {r} {n}")
     # a callback reading a Python number of a shard's norm is refused by name, on every rank, with nothing changed
     for r, res in enumerate(ranks):
         for be, got in res['refused'].items():
@@ -126,4 +121,4 @@ def test_clipping_and_skipping_across_ranks():
     for k, make in F.EMPTY_SHARD_OPTS.items():
         ref = F.train_one_row_head(make, steps=STEPS, sharded=False)
         for r, res in enumerate(ranks):
-            for n, p in ref.items(): assert_close_at_scale(res['empty_shard'][k][n], p, f"{k} rank {r} {n}")
+            for n, p in ref.items(): assert_tensor_close(res['empty_shard'][k][n], p, f"{k} rank {r} {n}")

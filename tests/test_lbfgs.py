@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cbopt
+from conftest import assert_rel_close
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -65,13 +66,6 @@ def run(m, opt, steps):
     return [opt.step(closure(m, opt)).item() for _ in range(steps)]
 
 
-def assert_params_close(a: nn.Module, b: nn.Module, rtol: float = 1e-6):
-    "Each param within `rtol` of the reference, relative to that tensor's own scale."
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        err, scale = (p - q).abs().max(), q.abs().max().clamp(min=1e-12)
-        assert err <= rtol * scale, f"{n}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
-
-
 def func_evals(opt) -> int: return opt.param_groups[0]['lbfgs.func_evals']
 
 
@@ -84,7 +78,7 @@ def test_matches_torch(model, line_search_fn, backend):
     torch_opt = torch.optim.LBFGS(ref.parameters(), **hypers(line_search_fn))
     for _ in range(2):  # 20 steps, compared every 10
         losses, ref_losses = run(m, opt, 10), run(ref, torch_opt, 10)
-        assert_params_close(m, ref)
+        assert_rel_close(m, ref)
         torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     assert func_evals(opt) == torch_opt.state[next(ref.parameters())]['func_evals']
     assert ref.loss() < 0.5 * MODELS[model]().loss()  # it did optimize
@@ -95,7 +89,7 @@ def test_matches_torch_in_float32():
     opt = cbopt.LBFGS(m.parameters(), **hypers('strong_wolfe'))
     torch_opt = torch.optim.LBFGS(ref.parameters(), **hypers('strong_wolfe'))
     run(m, opt, 15), run(ref, torch_opt, 15)
-    assert_params_close(m, ref, rtol=1e-5)
+    assert_rel_close(m, ref, rtol=1e-5)
 
 
 def test_default_hypers_and_torch_defaults():
@@ -103,7 +97,7 @@ def test_default_hypers_and_torch_defaults():
     opt, torch_opt = cbopt.LBFGS(m.parameters()), torch.optim.LBFGS(ref.parameters())
     for k in torch_opt.defaults: assert opt.param_groups[0][k] == torch_opt.param_groups[0][k], k  # max_eval: 25 in both
     run(m, opt, 3), run(ref, torch_opt, 3)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref)
 
 
 @pytest.mark.parametrize('line_search_fn', SEARCHES)
@@ -120,7 +114,7 @@ def test_loads_torchs_state_dict_mid_run(line_search_fn):
     opt.load_state_dict(sd)
     assert len(opt.param_groups[0]['lbfgs.old_dirs']) == len(torch_opt.state[next(ref.parameters())]['old_dirs'])
     run(m, opt, 8), run(ref, torch_opt, 8)  # torch's LBFGS changes its state in place: the loaded copy must not follow
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref)
     assert func_evals(opt) == torch_opt.state[next(ref.parameters())]['func_evals']
 
 
@@ -138,7 +132,7 @@ def test_torch_loads_its_state_dict_mid_run(line_search_fn):
     torch_opt.load_state_dict(torch.load(buf, weights_only=True))
     assert len(torch_opt.state[ref[0].weight]['old_dirs']) == hypers(line_search_fn)['history_size']
     run(m, opt, 8), run(ref, torch_opt, 8)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref)
     assert func_evals(opt) == torch_opt.state[ref[0].weight]['func_evals']
 
 
@@ -221,7 +215,7 @@ def test_resumes_from_a_checkpoint_of_params_in_another_order(line_search_fn, sa
         else:
             for n in want[k]: assert torch.equal(got[k][n], want[k][n]), (k, n)
     run(m2, opt2, 6)
-    assert_params_close(m2, m, rtol=1e-9)  # (dot products summed in another order: rounding apart)
+    assert_rel_close(m2, m, rtol=1e-9)  # (dot products summed in another order: rounding apart)
 
 
 def test_a_history_of_a_group_of_other_params_is_refused():

@@ -12,6 +12,7 @@ import torch
 from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_db
 
 import cbopt
+from conftest import assert_rel_close
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -85,14 +86,6 @@ def _run(opt, model, steps, start=0):
             opt.step()
 
 
-def assert_params_close(actual, expected, rtol=2e-5):
-    "Each param within `rtol` of the reference, relative to that tensor's own scale."
-    for (n, p), q in zip(actual.named_parameters(), expected.parameters()):
-        scale = q.detach().abs().max().clamp(min=1e-12)
-        err = (p.detach() - q.detach()).abs().max()
-        assert err <= rtol * scale, f"{n}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
-
-
 def _kw(kwargs):
     "Copies of tensor hypers (a tensor lr), so the two optimizers never share one."
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -111,7 +104,7 @@ def test_steps_as_torch(name, config, kwargs):
         torch_opt = getattr(torch.optim, name)(_params(name, ref), **_kw(kwargs), **impl)
         _run(opt, m, N_STEPS)
         _run(torch_opt, ref, N_STEPS)
-        assert_params_close(m, ref, RTOL.get(name, 2e-5))
+        assert_rel_close(m, ref, RTOL.get(name, 2e-5))
 
 
 # classes held to float rounding: their chain does torch's float ops in torch's order (RAdam: eps before debiasing)
@@ -129,7 +122,7 @@ def test_radam_adds_eps_where_torch_does(kwargs, foreach):
     torch_opt = torch.optim.RAdam(ref.parameters(), lr=1e-2, eps=1e-3, foreach=foreach, **kwargs)
     _run(opt, m, 50)
     _run(torch_opt, ref, 50)
-    assert_params_close(m, ref, 1e-6)
+    assert_rel_close(m, ref, 1e-6)
 
 
 @pytest.mark.parametrize('name,config,kwargs', list(configs()))
@@ -143,7 +136,7 @@ def test_loads_torchs_state_dict(name, config, kwargs):
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     _run(opt, m, 3, start=3)
     _run(torch_opt, ref, 3, start=3)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref, 2e-5)
 
 
 def _saved(sd):
@@ -171,7 +164,7 @@ def test_torch_loads_cbopts_state_dict(name, config, kwargs):
     ours = getattr(cbopt.optim, name)(_params(name, models[3]), **_kw(kwargs))
     ours.load_state_dict(_saved(opt.state_dict(format='cbopt')))
     for o, m in zip((opt, torch_opt, back, ours), models): _run(o, m, 3, start=3)
-    for m in models[1:]: assert_params_close(m, models[0])
+    for m in models[1:]: assert_rel_close(m, models[0], 2e-5)
 
 
 def _stepped(opt, model):
@@ -330,8 +323,8 @@ def test_zero_grads_no_grad_params_deepcopy_hooks(name):
     for o, mod in ((opt, m), (torch_opt, ref), (opt2, m2)): step(o, mod, frozen_last)
     if name != 'LBFGS':
         assert torch.equal(list(_params(name, m))[-1], before) and torch.equal(list(_params(name, m2))[-1], before)
-    assert_params_close(m, ref)
-    assert_params_close(m2, ref)
+    assert_rel_close(m, ref, 2e-5)
+    assert_rel_close(m2, ref, 2e-5)
 
 
 @pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
@@ -350,7 +343,7 @@ def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):
     torch_opt.param_groups[0]['lr'].fill_(3e-3)
     _run(opt, m, 2, start=N_STEPS)
     _run(torch_opt, ref, 2, start=N_STEPS)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref, 2e-5)
     assert len(calls) == (N_STEPS + 2 - 1 if 'fused' in impl else 0)  # (the first step, creating the state, is eager)
 
 
@@ -370,7 +363,7 @@ def test_group_flags_and_torch_names():
     torch_opt = torch.optim.RMSprop(groups(ref), momentum=0.5, centered=True)
     _run(opt, m, N_STEPS)
     _run(torch_opt, ref, N_STEPS)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref, 2e-5)
     with pytest.raises(ValueError, match=r"param group 0 sets amsgrad=True, the optimizer amsgrad=False"):
         cbopt.optim.Adam([{'params': _model().parameters(), 'amsgrad': True}])
 
@@ -383,7 +376,7 @@ def test_muon_group_dicts_take_torchs_names():
     opt, torch_opt = cbopt.optim.Muon(groups(m), lr=0.02), torch.optim.Muon(groups(ref), lr=0.02)
     _run(opt, m, N_STEPS)
     _run(torch_opt, ref, N_STEPS)
-    assert_params_close(m, ref)
+    assert_rel_close(m, ref, 2e-5)
     assert (opt.hypers[0]['wd'], opt.hypers[0]['mom'], opt.hypers[0]['ns_b']) == (0.2, 0.8, -4.7)
 
 
