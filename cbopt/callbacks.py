@@ -34,9 +34,17 @@ negate_grad.state = {}
 negate_grad.torch_flag = 'maximize'  # first in the chain exactly when torch's group has maximize=True
 
 
+def decays(wd: float, do_wd: bool) -> bool:
+    """Whether a decay callback works on `p`: eagerly not when `wd` is 0 (a pass over memory saved), but always when
+    traced by torch.compile, where multiplying by 1 is free inside the fused loop and a branch on a float hyper is
+    not: dynamo specialises the graph on `wd == 0`, which restarts its analysis (about 5 s more of a cold compile) and
+    compiles again when a schedule later makes `wd` nonzero."""
+    return do_wd and (torch.compiler.is_compiling() or wd != 0)
+
+
 def weight_decay(p, lr, wd, do_wd=True, **kwargs):
     "Decoupled weight decay (AdamW-style): shrink `p` by `lr*wd`."
-    if do_wd and wd != 0: p.data.mul_(1 - lr * wd)
+    if decays(wd, do_wd): p.data.mul_(1 - lr * wd)
 weight_decay.defaults = dict(wd=0.)
 weight_decay.state = {}
 weight_decay.torch_flag = 'decoupled_weight_decay'  # torch's flag for decay that shrinks the param (AdamW's)
@@ -44,7 +52,7 @@ weight_decay.torch_flag = 'decoupled_weight_decay'  # torch's flag for decay tha
 
 def l2_reg(p, lr, wd, do_wd=True, **kwargs):
     "L2 regularization: the rest of the chain sees `grad + wd*p` (torch's `weight_decay` in SGD/Adam); `p.grad` is kept."
-    if do_wd and wd != 0: p.grad = p.grad.add(p.data, alpha=wd)
+    if decays(wd, do_wd): p.grad = p.grad.add(p.data, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
 l2_reg.state = {}
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .callbacks import weight_decay
+from .callbacks import decays, weight_decay
 from .chain import copy_of_param, zeros
 
 __all__ = ['lion_step', 'lion_avg', 'adan_avgs', 'adan_step', 'proximal_decay', 'slow_grad_avg', 'ademamix_step',
@@ -71,7 +71,7 @@ adan_step.additive = True
 
 def proximal_decay(p, lr, wd, do_wd=True, **kwargs):
     "Adan's default (proximal) weight decay, after the step: `p /= 1 + lr * wd`."
-    if do_wd and wd != 0: p.data.div_(1. + lr * wd)
+    if decays(wd, do_wd): p.data.div_(1. + lr * wd)
 proximal_decay.defaults = dict(wd=0.)
 proximal_decay.state = {}
 

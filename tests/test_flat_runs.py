@@ -12,7 +12,7 @@ import cbopt
 from cbopt.chain import zeros
 from cbopt.engine import compiled
 from cbopt.engine.runtime import runtime
-from conftest import NO_COMPILE_FALLBACK
+from conftest import NO_COMPILE_FALLBACK, assert_tensors_close
 
 pytestmark = NO_COMPILE_FALLBACK
 
@@ -171,3 +171,31 @@ def test_flat_inputs_are_kept_while_the_plan_and_the_memory_hold() -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
         torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
                                    atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
+
+
+def test_a_decay_from_zero_is_one_graph_for_every_wd() -> None:
+    """The decay callbacks (`l2_reg`, `weight_decay`, `proximal_decay`) with wd = 0 still run under torch.compile (a
+    multiply by 1, free in the fused loop; `decays`): dynamo traces the chain once (no restart of its analysis on a
+    float specialised to 0: one AOT trace), and a schedule that makes wd nonzero at step 4 does not recompile. 8
+    steps, equal to the loop's, which skips the decays while wd is 0."""
+    chain = [cbopt.l2_reg, cbopt.weight_decay, cbopt.lion_step, cbopt.lion_avg, cbopt.proximal_decay]
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(8)]
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    finals = {}
+    for backend in (cbopt.Backend('fused', compiler='aot_eager', compile_chunk=4), 'loop'):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = cbopt.Optimizer(ps, chain, lr=0.01, wd=0., backend=backend)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step, gs in enumerate(grads):
+                for p, gr in zip(ps, gs): p.grad = gr.clone()
+                if step == 4: opt.set_hyper('wd', 0.1)
+                opt.step()
+        finals[str(backend)] = ps
+    assert counters['stats']['unique_graphs'] == 1 and counters['aot_autograd']['total'] == 1
+    fused, loop = finals.values()
+    assert_tensors_close(fused, loop, rtol=1e-6)
+    assert not any(torch.equal(p, q) for p, q in zip(loop, start))
