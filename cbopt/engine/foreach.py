@@ -18,7 +18,7 @@ from ..tensorlist import BucketError, TensorList
 from .buckets import Bucket, bucket_state, cache_chunks, stand_in, write_state
 from .runtime import runtime, warn_once
 
-__all__ = ['run_param', 'loop_bucket', 'probe', 'foreach_bucket', 'check_once']
+__all__ = ['run_param', 'loop_bucket', 'dry_copy', 'probe', 'foreach_bucket', 'check_once']
 
 
 def run_param(cbs, p, state: dict, hyper: Mapping, transient: frozenset) -> None:
@@ -35,13 +35,13 @@ def loop_bucket(opt, b: Bucket, hyper: Mapping) -> None:
         for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
 
 
-def _copy(b: Bucket, i: int, as_bucket: bool):
-    "A copy of param `i` of `b`, its grad and state: a param of its own, or a bucket of one (TensorLists)."
+def dry_copy(p: torch.Tensor, state: Mapping, as_bucket: bool = False) -> tuple:
+    """A copy of `p`, its grad and its state, for running a chain on without touching anything real (the probes):
+    a param of its own, or a bucket of one (TensorLists). Python values are shared, as the bucket shares them."""
     wrap = (lambda t: TensorList([t])) if as_bucket else (lambda t: t)
-    p = wrap(b.params[i].detach().clone())
-    p.grad = wrap(b.params[i].grad.detach().clone())
-    state = {k: wrap(v.clone()) if isinstance(v, torch.Tensor) else v for k, v in b.states[i].items()}
-    return p, state
+    q = wrap(p.detach().clone())
+    q.grad = wrap(p.grad.detach().clone())
+    return q, {k: wrap(v.clone()) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _dry_run(cbs, p, state: dict, hyper: Mapping, as_bucket: bool) -> Callable | None:
@@ -68,7 +68,7 @@ def check_once(opt, b: Bucket, hyper: Mapping) -> None:
     when the optimizer was built."""
     rt = runtime(opt)
     if id(b.group) in rt.checked: return
-    if not is_declared(b.cbs): _dry_run(b.cbs, *_copy(b, 0, as_bucket=False), hyper, as_bucket=False)
+    if not is_declared(b.cbs): _dry_run(b.cbs, *dry_copy(b.params[0], b.states[0]), hyper, as_bucket=False)
     rt.checked.add(id(b.group))
 
 
@@ -78,7 +78,7 @@ def probe(cbs, b: Bucket, hyper: Mapping) -> Callable | None:
     only depend on hypers and Python state, which the copy shares with the bucket, so what fails here would fail on
     the bucket, and a bucket is only ever stepped whole: never left half-updated by a callback that fails midway."""
     i = min(range(len(b.params)), key=lambda j: b.params[j].numel())
-    return _dry_run(cbs, *_copy(b, i, as_bucket=True), hyper, as_bucket=True)
+    return _dry_run(cbs, *dry_copy(b.params[i], b.states[i], as_bucket=True), hyper, as_bucket=True)
 
 
 def foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:

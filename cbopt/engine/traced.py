@@ -33,7 +33,7 @@ from ..chain import chain_counters, is_declared, is_model_cb, param_chain, trans
 from ..dtensor import is_dtensor
 from ..hypers import Hypers
 from .buckets import Bucket, as_real
-from .foreach import run_param
+from .foreach import dry_copy, run_param
 
 __all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
 
@@ -68,11 +68,9 @@ def groups(opt) -> list:
 
 def _reads_values(cbs: list, p: torch.Tensor, state: Mapping, hyper: Mapping) -> bool:
     "Whether the chain reads a Python value of a tensor, run on a copy of `p`, its grad and state (counters as tensors)."
-    q = p.detach().clone()
-    q.grad = p.grad.detach().clone()
+    q, st = dry_copy(p, state)
     counters = chain_counters(cbs)
-    st = {k: number_tensor(v, p) if k in counters else v.clone() if isinstance(v, torch.Tensor) else v
-          for k, v in state.items()}
+    st = {k: number_tensor(v, p) if k in counters else v for k, v in st.items()}
     try:
         with _RefuseValueReads(): run_param(cbs, q, st, hyper, transient_keys(cbs))
     except ValueRead: return True
