@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 import cbopt
 from cbopt.chain import cb_name, is_model_cb
 from cases import CASES, case, clip_by_norm
-from conftest import make_model
+from conftest import assert_tensor_close, make_model
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 F64 = torch.float64
@@ -54,9 +54,7 @@ def assert_close(actual: dict, expected: dict, rtol: float, msg: str = '', floor
     """Every tensor within `rtol` of its reference's own largest magnitude, or of `floor` where that is larger (the
     param's scale, for state that is rounding noise itself: a Kahan compensation buffer)."""
     assert actual.keys() == expected.keys(), msg
-    for k, e in expected.items():
-        err, scale = (actual[k] - e).abs().max().item(), max(e.abs().max().item(), floor)
-        assert err <= rtol * scale, f"{msg} {k}: max abs diff {err:.3g} > {rtol:g} * {scale:.3g}"
+    for k, e in expected.items(): assert_tensor_close(actual[k], e, f'{msg} {k}', rtol, atol=rtol * floor)
 
 
 def ensemble(n: int, dtype=torch.float32) -> list[nn.Module]:

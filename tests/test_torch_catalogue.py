@@ -20,7 +20,7 @@ import cbopt
 from cbopt.state.formats import torch_state_names
 from cbopt.torch_optimizers import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
 import torch.nn.functional as F
-from conftest import assert_rel_close, make_model, set_grads, train
+from conftest import assert_rel_close, assert_tensor_close, make_model, set_grads, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -95,9 +95,7 @@ def assert_state_close(ours, ref, model) -> None:
                 assert k in ('step', 'eta', 'mu'), f"torch state {k!r} has no cbopt counterpart"
                 continue
             if k == 'step': assert mine[k] == int(v), f"param {i}: step {mine[k]} != torch's {int(v)}"
-            else:
-                err, scale = (mine[k] - v).abs().max().item(), v.abs().max().item()
-                assert err <= TOL * scale, f"param {i} state {k!r}: max abs diff {err:.3g} > {TOL:g} * {scale:.3g}"
+            else: assert_tensor_close(mine[k], v, f"param {i} state {k!r}", TOL)
 
 
 def assert_same(a, b) -> None:
