@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
-           'is_declared', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
+           'is_declared', 'is_cbopts', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
            'model_param_state', 'model_key', 'around_params', 'chain_counters']
 
@@ -218,6 +218,13 @@ def around_params(cbs: Iterable[Callable], transform: Callable[[list], list]) ->
 def is_declared(cbs: Iterable[Callable]) -> bool:
     "Whether every callback of the chain declares its state, so that its state can be created without a dry run."
     return all(declared_state(cb) is not None for cb in cbs)
+
+
+def is_cbopts(cb: Callable) -> bool:
+    """Whether `cb` is one of cbopt's own callbacks (defined in `cbopt`, under any partials; `kahan` of one is too).
+    Each runs bucket-wise, its control flow on hypers and Python state only: the registry's conformance tests run
+    every one of them in the foreach backend, where a callback breaking this raises `BucketError`."""
+    return (getattr(unwrap(cb), '__module__', None) or '').startswith('cbopt.')
 
 
 def transient_keys(cbs: Iterable[Callable]) -> frozenset:

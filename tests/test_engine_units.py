@@ -472,6 +472,32 @@ def test_a_group_probed_by_foreach_is_not_dry_run_again_by_the_loop() -> None:
     torch.testing.assert_close(a.detach(), torch.full((2,), -0.2))
 
 
+def test_only_chains_with_a_users_callback_are_probed(monkeypatch) -> None:
+    """foreach probes a bucket (a run of the chain on a copy) at every step only where the chain lists a callback of
+    the user's, which may branch on a tensor's value at any step; cbopt's own run bucket-wise by construction
+    (`test_backends.test_foreach_is_loop` runs each), under partials and `kahan` too, so they are never probed."""
+    from functools import partial
+    from cbopt.chain import is_cbopts
+    from cbopt.engine import foreach as foreach_runner
+    probed = []
+    real = foreach_runner.probe
+    monkeypatch.setattr(foreach_runner, 'probe', lambda cbs, *a: probed.append(len(cbs)) or real(cbs, *a))
+    def mine(p, **kwargs): pass
+    mine.state = {}
+    def additive(p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)
+    additive.state, additive.additive = {}, True
+    assert is_cbopts(cbopt.adam_step) and is_cbopts(partial(cbopt.weight_decay, wd=0.1)) and is_cbopts(cbopt.kahan(cbopt.sgd_step))
+    assert not any(map(is_cbopts, [mine, cbopt.kahan(additive), lambda p, **kw: None]))
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opt = cbopt.Optimizer([{'params': ps[:1]}, {'params': ps[1:], 'cbs': [mine, cbopt.sgd_step]}], [cbopt.sgd_step],
+                          lr=0.1, backend='foreach')
+    for _ in range(3):
+        for p in ps: p.grad = torch.ones(3)
+        opt.step()
+    assert probed == [2, 2, 2]  # the second group's, at each step
+    for p in ps: torch.testing.assert_close(p.detach(), torch.full((3,), 0.7))
+
+
 def _forget_at_step_2(p, step=0, prev=None, **kwargs):
     "State that a callback sets to None on its second step (Python control flow on a Python value is allowed)."
     return {'step': step + 1, 'prev': None if step == 1 else p.grad * 1}

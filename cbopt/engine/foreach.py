@@ -4,7 +4,8 @@ callback once per bucket, on `TensorList` stand-ins whose ops are `torch._foreac
 A callback that cannot run on a whole bucket (Python `if` on a tensor value: `TensorList` raises `BucketError`) is
 found by `probe` on a copy before the bucket is touched, and that bucket then runs param by param, with a one-time
 warning naming the callback. Any other error a callback raises on the copy is a real bug: it is raised as it is,
-before any param changed.
+before any param changed. A chain of cbopt's own callbacks (`chain.is_cbopts`, declared) is not probed: they run bucket-wise
+by construction, and a probe per bucket per step doubled the Python cost of a step with one param per group.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..chain import cb_name, check_returns, is_declared, run_chain, transient_keys
+from ..chain import cb_name, check_returns, is_cbopts, is_declared, run_chain, transient_keys
 from ..dtensor import refusing_partial_numbers
 from ..tensorlist import BucketError, TensorList
 from .buckets import Bucket, bucket_state, cache_chunks, stand_in, write_state
@@ -93,7 +94,9 @@ def _foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
     if b.layout in rt.per_param:  # failed its probe before: the loop is always right, so don't probe every step again
         loop_bucket(opt, b, hyper)
         return False
-    bad = probe(b.cbs, b, hyper)
+    cbs = b.cbs
+    own = is_declared(cbs) and all(map(is_cbopts, cbs))
+    bad = None if own else probe(cbs, b, hyper)
     rt.checked.add(id(b.group))
     if bad is not None:
         rt.per_param.add(b.layout)
@@ -102,10 +105,10 @@ def _foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
                   "control flow on a tensor value); its buckets run param by param")
         loop_bucket(opt, b, hyper)
         return False
-    transient = transient_keys(b.cbs)
+    transient = transient_keys(cbs)
     for chunk in cache_chunks(b, opt.backend_options.cpu_chunk_bytes):
         p, state = stand_in(chunk), bucket_state(chunk)
         before = dict(state)
-        run_chain(chunk.cbs, p, state, hyper)
+        run_chain(cbs, p, state, hyper)
         write_state(chunk, before, state, transient)
     return True
