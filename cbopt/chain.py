@@ -193,8 +193,16 @@ def param_chain(cbs: Iterable[Callable]) -> list:
 
 def split_chain(cbs: Iterable[Callable]) -> tuple[list, list, list]:
     """A chain as (whole-model callbacks before, per-param callbacks, whole-model callbacks after). A whole-model
-    callback between two per-param ones has no place in a step: an error naming it."""
-    cbs = list(cbs)
+    callback between two per-param ones has no place in a step: an error naming it. Asked per group at every step
+    (`engine.model_plan`), so kept per chain."""
+    cbs = tuple(cbs)
+    try: parts = _split_chain(cbs)
+    except TypeError: parts = _split_chain.__wrapped__(cbs)  # an unhashable callable
+    return tuple(map(list, parts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_chain(cbs: tuple) -> tuple[tuple, tuple, tuple]:
     kinds = [is_model_cb(cb) for cb in cbs]
     i = 0
     while i < len(cbs) and kinds[i]: i += 1

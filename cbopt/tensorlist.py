@@ -35,13 +35,9 @@ class BucketAttributeError(BucketError, AttributeError):
 
 def _fe(name: str): return getattr(torch, f'_foreach_{name}')
 _HALF = (torch.bfloat16, torch.float16)
+_PLAIN_NUMBERS = (float, int)  # (bool is a Number too: `isinstance` finds it)
 _MISSING = object()
 _NO_BOUND = "torch.clamp: At least one of 'min' or 'max' must not be None"  # torch's words
-
-
-def _ts(o: Any) -> list:
-    "A TensorList operand as the plain list foreach kernels take; scalars and single tensors pass through."
-    return list(o) if isinstance(o, TensorList) else o
 
 
 def _same_length(n: int, tls) -> None:
@@ -150,20 +146,25 @@ class TensorList(list):
     # -- foreach-backed ops ------------------------------------------------------------------------------------
     def _binary(self, name: str, other: Any, inplace: bool, alpha: Any = 1):
         "`self <op> alpha*other`, in place or not, with `other` a scalar, a tensor or a TensorList."
-        if isinstance(other, TensorList): _same_length(len(self), [other])
+        number = type(other) in _PLAIN_NUMBERS  # (the common case first: an op costs the kernel's time again in Python)
+        if number: pass
+        elif isinstance(other, TensorList):
+            _same_length(len(self), [other])
+            other = list(other)
         elif isinstance(other, torch.Tensor):  # one tensor for all: foreach takes a lone one if 0-d, in mul/div (its
             # add does too, but without torch's type promotion: a 0-d float32 param plus a 0-d float64 tensor would stay
             # float32, where torch.add gives float64)
-            if other.dim() or name not in ('mul', 'div'): other = TensorList([other] * len(self))
-        elif not isinstance(other, Number): return NotImplemented
+            if other.dim() or name not in ('mul', 'div'): other = [other] * len(self)
+        elif isinstance(other, Number): number = True
+        else: return NotImplemented
         fn = _fe(name + '_' * inplace)
         scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)
         kw = {'alpha': alpha} if scaled else {}
         # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and the in-place
         # mul by a number rounds the number to a 16-bit float dtype first (Tensor.mul_ multiplies in float32)
-        if isinstance(other, Number) and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)):
+        if number and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)):
             res = [getattr(t, name + '_' * inplace)(other, **kw) for t in self]
-        else: res = fn(list(self), _ts(other), **kw)
+        else: res = fn(list(self), other, **kw)
         return self if inplace else TensorList(res)
 
     def _op(self, name: str, other: Any, inplace: bool, alpha: Any = 1):

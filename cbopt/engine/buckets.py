@@ -35,8 +35,12 @@ class Bucket(NamedTuple):
 
     @property
     def cbs(self) -> list:
-        "The group's per-param callbacks (its whole-model ones run once per step, around the buckets: see `engine`)."
-        return param_chain(self.group['cbs'])
+        """The group's per-param callbacks (its whole-model ones run once per step, around the buckets: see `engine`);
+        kept in `known` while the plan holds (it holds while the group's chain lists the same callbacks)."""
+        known = self.known
+        if known is None: return param_chain(self.group['cbs'])
+        if (cbs := known.get('cbs')) is None: cbs = known['cbs'] = param_chain(self.group['cbs'])
+        return cbs
 
     @property
     def layout(self) -> tuple:

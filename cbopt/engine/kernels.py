@@ -13,6 +13,8 @@ optimizers under GradScaler, and `scaler.unscale_` for the others, leave them).
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -46,7 +48,10 @@ def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = No
     tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees, never
     writing into the grads unless `scale_in_place`; `loss_scale` (GradScaler's) divides them, in place, inside the
     kernel's pass."""
-    kernel = KERNELS.get(chain_sig(b.cbs))
+    known = b.known
+    if known is None: sig = chain_sig(b.cbs)
+    elif (sig := known.get('sig')) is None: sig = known['sig'] = chain_sig(b.cbs)
+    kernel = KERNELS.get(sig)
     if kernel is None: return None
     scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale)) if v is not None}
     if grad_scale is not None and scale_in_place: scales['scale_in_place'] = True
@@ -153,7 +158,7 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     if _algo_keys(st) != {*moments, 'step'} or 'dampening' in hyper: return None
     step = st['step'] + 1
-    step_t = torch.tensor(float(step), device=p0.device)
+    step_t = _step_tensor(step, p0.device)
 
     def call(ps, gs, *bufs, grad_scale):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
@@ -216,6 +221,14 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
             for s in b.states: s['sqr_sum'].fill_(hyper['initial_accumulator_value'])
         run()
     return _counting_steps(first_fills, b, step)
+
+
+@functools.lru_cache(maxsize=16)
+def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
+    """The step count as torch's Adam kernels take it (a float tensor per param, which they read and never write):
+    one per count and device, shared by every bucket stepping with it (making one cost as much as a small bucket's
+    kernel)."""
+    return torch.tensor(float(step), device=device)
 
 
 def _wd(hyper: Mapping, st: Mapping):
