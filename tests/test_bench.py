@@ -34,10 +34,11 @@ def quick_run(tmp_path_factory):
 def test_table_json_png(quick_run):
     stdout, out = quick_run
     results = json.loads((out / 'bench.json').read_text())
-    assert set(results['cases']) == {'gpt2', 'grid', 'lion', 'train'}
+    assert set(results['cases']) == {'gpt2', 'grid', 'groups', 'lion', 'train'}
     names = [f'cbopt {b}' for b in results['backends']]
     assert 'loop' in results['backends']
-    assert list(results['cases']['gpt2']['results']) == [*names, 'torch fused', 'torch foreach', 'torch loop', 'fastai']
+    for key in ('gpt2', 'grid', 'groups'):
+        assert list(results['cases'][key]['results']) == [*names, 'torch fused', 'torch foreach', 'torch loop', 'fastai']
     assert list(results['cases']['lion']['results']) == names
     assert list(results['cases']['train']['results']) == [
         'eager: backward + Adam.step', 'backward + compiled Adam.step', 'torch: backward + AdamW.step',
@@ -54,7 +55,7 @@ def test_table_json_png(quick_run):
 
 
 # The README: "the table warns when it exceeds 1e-6 (1e-5 for Lion)" (the largest param difference after 3 steps)
-README_TOLERANCE = {'gpt2': 1e-6, 'grid': 1e-6, 'lion': 1e-5, 'train': 1e-6}
+README_TOLERANCE = {'gpt2': 1e-6, 'grid': 1e-6, 'groups': 1e-6, 'lion': 1e-5, 'train': 1e-6}
 
 
 def test_rows_compute_the_same_thing(quick_run):

@@ -23,6 +23,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
 10. The catalogue: every optimizer's fused and foreach steps against its reference's fastest mode, and against the
     memory-traffic floor, on the GPT-2 set at `--size` times its width.
 11. Lion's first compile in a fresh process with an empty inductor cache, then with that cache filled.
+12. The grid of case 2 with each tensor its own param group (per-layer lrs, as discriminative training sets them):
+    the cost per group, the same contenders.
 """
 from __future__ import annotations
 
@@ -235,18 +237,26 @@ def available_backends() -> tuple[str, ...]:
 def backend_kw(b: str) -> dict: return {} if available_backends() == ('loop',) and b == 'loop' else {'backend': b}
 
 
-def adam_contenders(backends: list[str]) -> dict[str, Callable]:
-    "cbopt's Adam per backend, torch's AdamW with the same numerics in its three modes, and fastai's Adam."
+def one_group_each(ps: Named) -> list[dict]:
+    "Each param of `ps` its own param group (case 12)."
+    return [{'params': [p]} for _, p in ps]
+
+
+def adam_contenders(backends: list[str], grouped: bool = False) -> dict[str, Callable]:
+    """cbopt's Adam per backend, torch's AdamW with the same numerics in its three modes, and fastai's Adam; each
+    with one param group, or `grouped`, one per param."""
     kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
-    torch_adamw = lambda **mode: lambda ps: torch.optim.AdamW([p for _, p in ps], **kw, **mode).step
-    cb = lambda b: lambda ps: cbopt.Adam(ps, **ADAM, **backend_kw(b)).step
+    theirs = one_group_each if grouped else _bare
+    torch_adamw = lambda **mode: lambda ps: torch.optim.AdamW(theirs(ps), **kw, **mode).step
+    cb = lambda b: lambda ps: cbopt.Adam(one_group_each(ps) if grouped else ps, **ADAM, **backend_kw(b)).step
     return {**{f'cbopt {b}': cb(b) for b in backends}, 'torch fused': torch_adamw(fused=True),
-            'torch foreach': torch_adamw(foreach=True), 'torch loop': torch_adamw(foreach=False), 'fastai': fastai_adam}
+            'torch foreach': torch_adamw(foreach=True), 'torch loop': torch_adamw(foreach=False),
+            'fastai': lambda ps: fastai_adam(ps, grouped)}
 
 
-def fastai_adam(ps) -> Callable[[], None]:
+def fastai_adam(ps, grouped: bool = False) -> Callable[[], None]:
     from fastai.optimizer import Adam  # lazily: only the fastai rows need it
-    return Adam([p for _, p in ps], **ADAM).step
+    return Adam([[p] for _, p in ps] if grouped else _bare(ps), **ADAM).step
 
 
 def lion_contenders(backends: list[str]) -> dict[str, Callable]:
@@ -534,6 +544,12 @@ def in_backward_rows(case: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+CASE_TITLES = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
+               'groups': 'Adam on the grid, one param group per tensor',
+               'lion': 'Lion (cbopt callbacks only) on the GPT-2 set',
+               'train': "A train step on the demo's MLP (forward, grad, Adam update)"}
+
+
 def report(results: dict) -> str:
     "The tables of a run, as markdown."
     m, cases, streams = results['machine'], results['cases'], results['bandwidth_GBps']
@@ -542,9 +558,6 @@ def report(results: dict) -> str:
            f"fastai {m['fastai']}, Python {m['python']}; {m['date']}. fp32, median of {results['rounds']} interleaved "
            f"steps." + (" Bandwidth (`% of bw` is of the larger): " +
                         ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.' if streams else '')]
-    titles = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
-              'lion': 'Lion (cbopt callbacks only) on the GPT-2 set',
-              'train': "A train step on the demo's MLP (forward, grad, Adam update)"}
     for key, case in cases.items():
         header, rows = (lion_rows(case, bw) if key == 'lion' else train_rows(case) if key == 'train' else
                         adam_rows(case, bw, results['peak_mem_pct'] if key == 'gpt2' else {}))
@@ -552,7 +565,7 @@ def report(results: dict) -> str:
         note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
         shape = f"{case['tensors']:,} tensors, {case['numel']:,} params"
         if key == 'train': shape += f", batch {case['batch']}, compiled with {case['compiler']}"
-        out.append(f"**{titles[key]}** ({shape})\n\n{table(header, rows)}{note}")
+        out.append(f"**{CASE_TITLES[key]}** ({shape})\n\n{table(header, rows)}{note}")
     if 'clip' in results:
         case = results['clip']
         gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
@@ -582,15 +595,13 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, axs = plt.subplots(2, (len(results['cases']) + 2) // 2, figsize=(6.5 * ((len(results['cases']) + 2) // 2), 8))
-    titles = {'gpt2': 'Adam, GPT-2 set', 'grid': 'Adam, grid of small tensors', 'lion': 'Lion (callbacks), GPT-2 set',
-              'train': "Train step, demo's MLP"}
     for ax, (key, case) in zip(axs.flat, results['cases'].items()):
         ok = {n: r for n, r in case['results'].items() if 'median_s' in r}
         bars = ax.barh(list(ok), [r['median_s'] * 1e3 for r in ok.values()],
                        color=['tab:blue' if n.startswith('cbopt') else 'tab:gray' for n in ok])
         ax.bar_label(bars, fmt='%.1f', padding=2, fontsize=8)
         ax.invert_yaxis()
-        ax.set(title=f"{titles[key]}: {case['tensors']:,} tensors, {case['numel'] / 1e6:.1f}M params",
+        ax.set(title=f"{CASE_TITLES[key]}: {case['tensors']:,} tensors, {case['numel'] / 1e6:.1f}M params",
                xlabel='ms per step (median)')
     mem = {n: v for n, v in results['peak_mem_pct'].items() if v is not None}
     ax = axs.flat[len(results['cases'])]
@@ -911,7 +922,7 @@ def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dic
             'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
 
 
-PARTS = ('adam', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
+PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -924,7 +935,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
     parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
-                        "(adam: cases 1, 2, 4, 5; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
+                        "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
     parser.add_argument('--size', type=float, default=1.0, help="catalogue and compile: the GPT-2 set's width and "
                         "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
     parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
@@ -958,7 +969,8 @@ def run(args: argparse.Namespace) -> dict:
     per = warmup + rounds
     clip, unclipped = clip_contenders(), unclipped_contenders()
     todo = set(args.only)
-    progress = Progress(per * (('adam' in todo) * (2 * len(adam) + len(STREAM_BYTES)) + ('lion' in todo) * len(lion)
+    progress = Progress(per * (('adam' in todo) * (2 * len(adam) + len(STREAM_BYTES)) + ('groups' in todo) * len(adam)
+                               + ('lion' in todo) * len(lion)
                                + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
                         + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
                         + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds))
@@ -972,6 +984,9 @@ def run(args: argparse.Namespace) -> dict:
                      for k, r in streams.items()}
         progress.set('Adam, 64x64 grid')
         cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
+    if 'groups' in todo:
+        progress.set('Adam, 64x64 grid, a group per tensor')
+        cases['groups'] = run_case(adam_contenders(backends, grouped=True), sets['grid'], rounds, warmup, progress)
     if 'lion' in todo:
         progress.set('Lion, GPT-2 small')
         cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
