@@ -145,15 +145,14 @@ class ParamGroup(dict):
 class Hypers(MutableMapping):
     "fastai's view of a param group: every entry but the params, names and torch aliases. Reads and writes go through."
     def __init__(self, group: ParamGroup): self.group = group
-    def _is_hyper(self, k) -> bool: return k not in NOT_HYPERS and k not in ALIASES and not is_model_entry(k)
     def __getitem__(self, k):
-        if not self._is_hyper(k): raise KeyError(k)
+        if not _is_hyper(k): raise KeyError(k)
         return self.group[k]
     def __setitem__(self, k, v):
         if k in NOT_HYPERS or is_model_entry(k): raise KeyError(f"{k!r} is not a hyper")
         self.group[k] = v
     def __delitem__(self, k): del self.group[k]
-    def __iter__(self) -> Iterator: return (k for k in self.group if self._is_hyper(k))
+    def __iter__(self) -> Iterator: return (k for k in self.group if _is_hyper(k))
     def __len__(self) -> int: return sum(1 for _ in self)
     def __repr__(self) -> str: return repr(dict(self))
 
@@ -161,8 +160,24 @@ class Hypers(MutableMapping):
         """The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback.
         A 1-element tensor hyper of any shape (a tensor lr of shape [1] or [1, 1]) is given as a 0-d view of itself,
         which torch's ops take wherever they take a number."""
-        return {k: v.view(()) if isinstance(v, torch.Tensor) and v.ndim else v
-                for k, v in self.group.items() if self._is_hyper(k)}
+        g = self.group
+        hypers = _hyper_keys(tuple(g))
+        out = {k: v for k, v in g.items() if k in hypers}
+        for k, v in out.items():
+            if isinstance(v, torch.Tensor) and v.ndim: out[k] = v.view(())
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _hyper_keys(keys: tuple) -> frozenset:
+    """Which of a group's entries `keys` are hypers (`_is_hyper`), kept per set of keys: a snapshot is taken
+    per group at every step, and its groups' keys are almost always the same."""
+    return frozenset(filter(_is_hyper, keys))
+
+
+def _is_hyper(k: Any) -> bool:
+    "Whether a group entry is a hyper: not the params, names or chain, not a torch alias, not a whole-model entry."
+    return k not in NOT_HYPERS and k not in ALIASES and not is_model_entry(k)
 
 
 def _is_in(lo: float, hi: float | None = None, hi_open: bool = True) -> Callable[[Any], bool]:

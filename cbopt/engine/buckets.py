@@ -115,6 +115,8 @@ class BucketPlan:
         keyed = _keyed_buckets(opt, on_odd_grad)
         self.buckets = [Bucket(b.group, b.params, b.states, {}) for b in keyed.values()]
         self.keys = list(keyed)
+        per_group = [k[0] for k in self.keys]  # buckets that could merge: those of a group with several (one plain
+        self.mergeable = [i for i, gi in enumerate(per_group) if per_group.count(gi) > 1]  # param group per layer: none)
         self.state = opt.state
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]
@@ -158,10 +160,10 @@ class BucketPlan:
             state = opt.state
             for b in self.buckets:  # the same state dicts (a load gives each param a new one)
                 if not all(map(is_, map(state.__getitem__, b.params), b.states)): return None
-            keys = [_bucket_key(k[0], b.params[0], b.states[0], k[5] is not None) for k, b in zip(self.keys, self.buckets)]
-            if len(set(keys)) != len(keys): return None  # Python values that made two buckets are now equal
+            keys = [_bucket_key(k[0], b.params[0], b.states[0], k[5] is not None)
+                    for k, b in ((self.keys[i], self.buckets[i]) for i in self.mergeable)]
+            if len(set(keys)) != len(keys): return None  # Python values that made two buckets of a group are now equal
         except (KeyError, TypeError, RuntimeError): return None  # (a key gone, an unhashable value, a sparse grad)
-        self.keys = keys
         return self.buckets
 
 
