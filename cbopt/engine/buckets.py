@@ -7,11 +7,12 @@ the backend, and a checkpoint saved under one resumes under any other.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from itertools import compress
 from operator import attrgetter, is_, itemgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,11 +37,16 @@ class Bucket(NamedTuple):
     @property
     def cbs(self) -> list:
         """The group's per-param callbacks (its whole-model ones run once per step, around the buckets: see `engine`);
-        kept in `known` while the plan holds (it holds while the group's chain lists the same callbacks)."""
+        kept while the plan holds (it holds while the group's chain lists the same callbacks)."""
+        return self.kept('cbs', lambda: param_chain(self.group['cbs']))
+
+    def kept(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """`make()`, kept in `known` under `key` while the bucket's plan holds (what depends only on the bucket's
+        layout, asked at every step); made each time for a bucket made for one step."""
         known = self.known
-        if known is None: return param_chain(self.group['cbs'])
-        if (cbs := known.get('cbs')) is None: cbs = known['cbs'] = param_chain(self.group['cbs'])
-        return cbs
+        if known is None: return make()
+        if (v := known.get(key)) is None: v = known[key] = make()
+        return v
 
     @property
     def layout(self) -> tuple:
@@ -115,8 +121,8 @@ class BucketPlan:
         keyed = _keyed_buckets(opt, on_odd_grad)
         self.buckets = [Bucket(b.group, b.params, b.states, {}) for b in keyed.values()]
         self.keys = list(keyed)
-        per_group = [k[0] for k in self.keys]  # buckets that could merge: those of a group with several (one plain
-        self.mergeable = [i for i, gi in enumerate(per_group) if per_group.count(gi) > 1]  # param group per layer: none)
+        per_group = Counter(k[0] for k in self.keys)  # buckets that could merge: those of a group with several (one
+        self.mergeable = [i for i, k in enumerate(self.keys) if per_group[k[0]] > 1]  # param group per layer: none)
         self.state = opt.state
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]

@@ -94,10 +94,8 @@ def _foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
     if b.layout in rt.per_param:  # failed its probe before: the loop is always right, so don't probe every step again
         loop_bucket(opt, b, hyper)
         return False
-    cbs, known = b.cbs, b.known
-    if known is None or (own := known.get('own')) is None:
-        own = is_declared(cbs) and all(map(is_cbopts, cbs))
-        if known is not None: known['own'] = own
+    cbs = b.cbs
+    own = b.kept('own', lambda: is_declared(cbs) and all(map(is_cbopts, cbs)))
     bad = None if own else probe(cbs, b, hyper)
     rt.checked.add(id(b.group))
     if bad is not None:

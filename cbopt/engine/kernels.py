@@ -48,10 +48,7 @@ def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = No
     tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees, never
     writing into the grads unless `scale_in_place`; `loss_scale` (GradScaler's) divides them, in place, inside the
     kernel's pass."""
-    known = b.known
-    if known is None: sig = chain_sig(b.cbs)
-    elif (sig := known.get('sig')) is None: sig = known['sig'] = chain_sig(b.cbs)
-    kernel = KERNELS.get(sig)
+    kernel = KERNELS.get(b.kept('sig', lambda: chain_sig(b.cbs)))
     if kernel is None: return None
     scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale)) if v is not None}
     if grad_scale is not None and scale_in_place: scales['scale_in_place'] = True
@@ -132,9 +129,7 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
     if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
-    known = {} if b.known is None else b.known  # (kept while the bucket's plan holds: its layout is unchanged)
-    if (alike := known.get(buffers)) is None: alike = known[buffers] = _laid_out_alike(b, buffers)
-    if not alike: return None
+    if not b.kept(buffers, lambda: _laid_out_alike(b, buffers)): return None  # (the layout is the plan's)
     copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
     if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)
