@@ -1,7 +1,7 @@
 """`python -m cbopt bench`: time cbopt's backends against torch.optim and fastai, on CPU in fp32.
 
 Timings on a busy machine drift, so every row is timed in the same process as its references, interleaved: round
-`r` times one step of every contender (in an order rotated each round), and a ratio is the median of the per-round
+`r` times one step of every contender (in an order shuffled each round), and a ratio is the median of the per-round
 ratios. The step time is the median over `--steps` rounds, after warm-up steps that create the state (and compile).
 
 1. GPT-2-small's 148 params (124.4M): cbopt's Adam per backend vs torch AdamW (fused, foreach, for-loop) and fastai.
@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -376,8 +377,11 @@ def timed(f: Callable) -> float:
 
 def measure(steps: dict[str, Callable[[], None]], rounds: int, warmup: int, progress: Progress | None = None) -> dict:
     """Time each step function: `warmup` calls on their own (they create the state, and may compile), then `rounds`
-    interleaved rounds of one call each, in an order rotated every round. A step that raises is recorded as an
-    error and dropped from the rounds."""
+    interleaved rounds of one call each, in an order shuffled every round (seeded: the same orders in every run), so
+    that no contender always follows the same one: a step leaves the caches and the allocator in its own state, and
+    with the order rotated (each contender after the same one every round but one) torch's fused SGD and cbopt's call
+    of the same kernel differed by 2-4%, where alternating the two alone gave 0.99x. A step that raises is recorded
+    as an error and dropped from the rounds."""
     res, live = {}, {}
     for name, step in steps.items():
         try:
@@ -385,11 +389,11 @@ def measure(steps: dict[str, Callable[[], None]], rounds: int, warmup: int, prog
             live[name] = step
         except Exception as e: res[name] = {'error': f'{type(e).__name__}: {e}'}
         if progress: progress.update(warmup if name in live else warmup + rounds)
-    names = list(live)
+    names, orders = list(live), random.Random(0)
     gc.disable()
     try:
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]: res[name]['times'].append(timed(live[name]))
+        for _ in range(rounds):
+            for name in orders.sample(names, len(names)): res[name]['times'].append(timed(live[name]))
             if progress: progress.update(len(names))
     finally: gc.enable()
     for name in names:
