@@ -69,7 +69,7 @@ import torch
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'is_cbopts', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
-           'model_param_state', 'model_key', 'around_params', 'chain_counters']
+           'model_param_state', 'model_key', 'around_params', 'chain_counters', 'cached']
 
 SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
@@ -100,7 +100,21 @@ def chain_defaults(cbs: Iterable[Callable]) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+def cached(maxsize: int | None = None) -> Callable[[Callable], Callable]:
+    """`functools.lru_cache` for functions of callbacks, which calls the function uncached for an unhashable argument
+    (an instance of a dataclass with `__call__` is a callback, and unhashable)."""
+    def decorate(fn: Callable) -> Callable:
+        kept = functools.lru_cache(maxsize)(fn)
+        @functools.wraps(fn)
+        def call(*args):
+            try: hash(args)
+            except TypeError: return fn(*args)
+            return kept(*args)
+        return call
+    return decorate
+
+
+@cached()
 def _reads(cb: Callable) -> frozenset:
     try: sig = inspect.signature(cb)
     except (TypeError, ValueError): return frozenset()
@@ -112,8 +126,7 @@ def chain_reads(cbs: Iterable[Callable]) -> frozenset:
     "The keywords a chain's callbacks name (hypers and state), and their declared defaults."
     out = set()
     for cb in cbs:
-        try: out |= _reads(cb)
-        except TypeError: out |= _reads.__wrapped__(cb)  # an unhashable callable
+        out |= _reads(cb)
         out |= set(cb_defaults(cb))
     return frozenset(out)
 
@@ -135,9 +148,20 @@ def run_chain(cbs: Iterable[Callable], p, state: dict, hyper: Mapping) -> None:
 
 # -- identity of a chain ---------------------------------------------------------------------------------------------
 def _cb_sig(cb: Callable) -> tuple | Callable:
-    "A callback by what it computes: `partial`s compare by function and arguments, not by identity."
-    if isinstance(cb, functools.partial): return (_cb_sig(cb.func), cb.args, tuple(sorted(cb.keywords.items())))
-    return cb
+    """A callback by what it computes: `partial`s compare by function and arguments, not by identity; an unhashable
+    one (an instance of a dataclass with `__call__`, a partial with a list argument) by identity."""
+    sig = (_cb_sig(cb.func), cb.args, tuple(sorted(cb.keywords.items()))) if isinstance(cb, functools.partial) else cb
+    try: hash(sig)
+    except TypeError: return _Identity(cb)
+    return sig
+
+
+class _Identity:
+    "A key for an unhashable callback: equal to one for the same object only (it holds it, so its id stays its own)."
+    __slots__ = ('obj',)
+    def __init__(self, obj): self.obj = obj
+    def __hash__(self) -> int: return id(self.obj)
+    def __eq__(self, other) -> bool: return isinstance(other, _Identity) and other.obj is self.obj
 
 
 def chain_sig(cbs: Iterable[Callable]) -> tuple:
@@ -195,13 +219,10 @@ def split_chain(cbs: Iterable[Callable]) -> tuple[list, list, list]:
     """A chain as (whole-model callbacks before, per-param callbacks, whole-model callbacks after). A whole-model
     callback between two per-param ones has no place in a step: an error naming it. Asked per group at every step
     (`engine.model_plan`), so kept per chain."""
-    cbs = tuple(cbs)
-    try: parts = _split_chain(cbs)
-    except TypeError: parts = _split_chain.__wrapped__(cbs)  # an unhashable callable
-    return tuple(map(list, parts))
+    return tuple(map(list, _split_chain(tuple(cbs))))
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def _split_chain(cbs: tuple) -> tuple[tuple, tuple, tuple]:
     kinds = [is_model_cb(cb) for cb in cbs]
     i = 0

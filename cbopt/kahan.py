@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from .chain import cb_name, unwrap, zeros
+from .chain import cached, cb_name, unwrap, zeros
 
 __all__ = ['kahan', 'kahan_chain']
 
@@ -31,7 +31,7 @@ class _Target:
     def __init__(self, data, grad): self.data, self.grad = data, grad
 
 
-@functools.lru_cache(maxsize=None)  # one wrapper per step callback: chains compare equal, compiled chains are reused
+@cached()  # one wrapper per step callback: chains compare equal, compiled chains are reused
 def kahan(step: Callable) -> Callable:
     "`step` (an `additive` callback) with Kahan-compensated summation into the param; its state gains `kahan_comp`."
     f = unwrap(step)

@@ -6,6 +6,7 @@ foreach is checked bit for bit over 100 steps (with the default and with tiny ca
 CPU, so the compiled chain is checked for the cases that name a compiler in `Case.compiles`: with torch.compile's
 `aot_eager` backend (the same dynamo graph, without inductor's codegen) over 30 steps, or through inductor over 12
 steps with changing lrs; `CBOPT_SLOW=1` runs every case both ways."""
+import dataclasses
 import functools
 import os
 import types
@@ -361,6 +362,35 @@ def test_fallback_per_param_warns_once(backend, branch):
             assert_same_params(ours, ref, msg=f"step {i}:")
     msgs = [str(x.message) for x in w if cbs[1].__name__ in str(x.message)]
     assert len(msgs) == 1, msgs
+
+
+@dataclasses.dataclass
+class ScaledGrad:
+    "A callback written as a dataclass instance: unhashable (a dataclass sets `__hash__ = None`), as users write them."
+    factor: float = 0.5
+    def __call__(self, p, **kwargs): p.grad = p.grad.data * self.factor
+ScaledGrad.state = {}
+
+
+@dataclasses.dataclass
+class PlainStep:
+    "An additive step as a dataclass instance, for `kahan`."
+    def __call__(self, p, lr, **kwargs): p.data.add_(p.grad.data, alpha=-lr)
+PlainStep.state, PlainStep.additive = {}, True
+
+
+@pytest.mark.parametrize('backend', ['foreach', 'fused', 'auto'])
+def test_an_unhashable_callback_runs_in_every_backend(backend):
+    """A dataclass instance as a callback (unhashable): every backend runs it (the compiled chain and the kernel
+    lookup key it by identity), bit for bit the loop over 5 steps; so does `kahan` of one."""
+    for cbs in ([ScaledGrad(), cbopt.average_grad, cbopt.momentum_step], cbopt.kahan_chain([PlainStep()])):
+        ours, ref = make_model(), make_model()
+        opt, ref_opt = (cbopt.Optimizer(two_groups(m), cbs, lr=1e-2, backend=be) for m, be in ((ours, aot(backend)), (ref, 'loop')))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')  # (no fallback: the chain compiles)
+            for i in range(5):
+                train(ref_opt, ref, 1, start=i), train(opt, ours, 1, start=i)
+                assert_same_params(ours, ref, msg=f"{backend} {cbopt.chain_name(cbs)} step {i}:")
 
 
 def test_tensorlist_bool_raises():

@@ -193,6 +193,21 @@ def test_snapshot_gives_a_tensor_hyper_as_a_0d_view_of_itself() -> None:
         assert s['lr'].item() == pytest.approx(0.2)
 
 
+def test_snapshot_follows_the_groups_keys_as_they_change() -> None:
+    """A snapshot is every hyper of the group as it is now: an entry added or removed between snapshots is in or out
+    of the next (the hyper keys are found once per set of keys), never the params, names, chain, torch's aliases or
+    whole-model entries."""
+    g = group()
+    first = cbopt.hypers.Hypers(g).snapshot()
+    g['my_hyper'] = 3
+    g['clip.count'] = 2  # a whole-model callback's state
+    second = cbopt.hypers.Hypers(g).snapshot()
+    assert second == {**first, 'my_hyper': 3}
+    del g['my_hyper']
+    assert cbopt.hypers.Hypers(g).snapshot() == first
+    assert not {'params', 'param_names', 'cbs', 'chain', 'momentum', 'clip.count'} & set(second)
+
+
 @pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
 def test_a_one_element_tensor_hyper_is_one_value_for_every_group(shape) -> None:
     "A 1-element tensor of any shape is one value, the same tensor for each group; a tensor of n values is one each."
