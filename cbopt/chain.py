@@ -101,12 +101,14 @@ def chain_defaults(cbs: Iterable[Callable]) -> dict:
 
 
 def cached(maxsize: int | None = None) -> Callable[[Callable], Callable]:
-    """`functools.lru_cache` for functions of callbacks, which calls the function uncached for an unhashable argument
-    (an instance of a dataclass with `__call__` is a callback, and unhashable)."""
+    """`functools.lru_cache` for functions of callbacks and groups, which calls the function uncached for an unhashable
+    argument (an instance of a dataclass with `__call__` is a callback, and unhashable) and while torch.compile traces
+    (dynamo warns at every `lru_cache` it meets, and traces through it anyway)."""
     def decorate(fn: Callable) -> Callable:
         kept = functools.lru_cache(maxsize)(fn)
         @functools.wraps(fn)
         def call(*args):
+            if torch.compiler.is_compiling(): return fn(*args)
             try: hash(args)
             except TypeError: return fn(*args)
             return kept(*args)

@@ -17,7 +17,7 @@ import torch
 from fastcore.basics import even_mults
 from fastcore.foundation import L
 
-from .chain import chain_name, chain_reads
+from .chain import cached, chain_name, chain_reads
 
 __all__ = ['ParamGroup', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
@@ -168,7 +168,7 @@ class Hypers(MutableMapping):
         return out
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _hyper_keys(keys: tuple) -> frozenset:
     """Which of a group's entries `keys` are hypers (`_is_hyper`), kept per set of keys: a snapshot is taken
     per group at every step, and its groups' keys are almost always the same."""
