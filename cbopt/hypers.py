@@ -52,7 +52,7 @@ def from_torch_names(hypers: Mapping, names: Mapping[str, str | tuple[str, ...]]
             pairs = list(zip(canon, v))
         else: pairs = [(canon, v)]
         for c, cv in pairs:
-            if c in out and not _same(out[c], cv):
+            if c in out and not same_value(out[c], cv):
                 raise ValueError(f"{k}={v!r}{where} and {c}={out[c]!r} name one hyper: give one")
             out[c] = cv
     return out
@@ -69,7 +69,8 @@ def torch_keywords(**extra: str | tuple[str, ...]) -> Callable:
     return decorate
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    "Whether two hyper values are one: tensors by identity (their values change in place), others by `==`."
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor): return a is b
     return a == b
 

@@ -274,6 +274,25 @@ def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
     return {'weight': model.module.weight.detach().clone(), 'local_params': len(zero.optim.params)}
 
 
+def zero_momentum_writes(rank: int, world: int, built_with: str) -> list:
+    """ZeroRedundancyOptimizer of cbopt.SGD built with momentum given as `built_with` (torch's `momentum` or cbopt's
+    `mom`), then written on ZeRO's groups under each name in turn, as a scheduler (OneCycleLR: `momentum`) or fastai
+    (`mom`) does, a step after each: the `mom` each rank's optimizer steps with."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.manual_seed(0)
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.SGD, lr=1e-2, **{built_with: 0.9})
+    seen = []
+    for i, (name, value) in enumerate([('momentum', 0.5), ('mom', 0.3), ('momentum', 0.7), ('mom', 0.2)]):
+        zero.param_groups[0][name] = value
+        x, y = batch(i)
+        nn.functional.mse_loss(model(x), y).backward()
+        zero.step()
+        zero.zero_grad()
+        seen.append(zero.optim.param_groups[0]['mom'])
+    return seen
+
+
 # -- distributed checkpoints (DCP): saved on one world size, loaded on another ------------------------------------
 def make_dcp_opt(model) -> cbopt.Optimizer:
     """AdamW under a linear warmup and 3-step accumulation: whole-model callbacks whose state (the warmup count, the

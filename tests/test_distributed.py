@@ -89,6 +89,13 @@ def test_zero_with_an_empty_partition():
     for r in ranks: assert_tensor_close(r['weight'], lin.weight.detach(), 'weight')
 
 
+@pytest.mark.parametrize('built_with', ['momentum', 'mom'])
+def test_zero_steps_with_the_momentum_last_written_under_either_name(built_with):
+    """ZeRO's own groups are plain dicts that can hold `momentum` and `mom` at once: a write under either name (a
+    torch scheduler's, fastai's) is what every rank's optimizer steps with next, never the other name's stale value."""
+    for seen in D.spawn(D.zero_momentum_writes, built_with): assert seen == [0.5, 0.3, 0.7, 0.2]
+
+
 def test_zero_load_of_a_bad_checkpoint_changes_nothing_on_any_rank():
     """A ZeRO checkpoint with one thing wrong late in the order (a param's state of another dtype or shape, a missing
     state entry or param state, an invalid hyper, another chain, an unknown whole-model entry, a param too many) is

@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import optimizer as _optimizer
 from ..chain import chain_name
-from ..hypers import ALIASES, NOT_HYPERS
+from ..hypers import ALIASES, NOT_HYPERS, same_value
 from ..state.names import is_positional
 
 __all__ = ['zero_building', 'hook_zero']
@@ -140,10 +140,19 @@ def _load_state_dict(zero, state_dict: dict) -> None:
 
 
 def _sync_hypers(src: list, dst: list) -> None:
-    "ZeRO's `_sync_param_groups`, for the hypers only: each rank's optimizer keeps its own chain and names."
+    """ZeRO's `_sync_param_groups`, for the hypers only: each rank's optimizer keeps its own chain and names. ZeRO's
+    own groups are plain dicts, which can hold one hyper under both its names (`momentum` given to ZeRO or written by
+    a scheduler such as OneCycleLR, and `mom`): copied key by key, the stale one of the two won whenever it came
+    last. Both names are kept equal there, and the one written since the last sync is the one copied."""
     if len(src) != len(dst): raise AssertionError("Mismatch between number of source and destination parameter groups")
     for s, d in zip(src, dst):
-        for k in [k for k in s if k not in NOT_HYPERS]: d[k] = s[k]
+        for k in [k for k in s if k not in NOT_HYPERS and k not in ALIASES and k not in ALIASES.values()]: d[k] = s[k]
+        for alias, canon in ALIASES.items():
+            held = [s[k] for k in (canon, alias) if dict.__contains__(s, k)]  # (a ParamGroup holds `canon` only)
+            if not held: continue
+            now = d.get(canon)
+            d[canon] = value = next((v for v in held if not same_value(v, now)), held[0])  # the one written since, if any
+            if dict.__contains__(d, alias): d[alias] = value
 
 
 def hook_zero(opt) -> None:
