@@ -393,6 +393,41 @@ def test_an_unhashable_callback_runs_in_every_backend(backend):
                 assert_same_params(ours, ref, msg=f"{backend} {cbopt.chain_name(cbs)} step {i}:")
 
 
+def decayed_step(p, lr, mom, scale=None, **kwargs):
+    "A user's callback keeping a 0-d float64 running product, updated in place (as torch's NAdam keeps `mu_product`)."
+    if scale is None: scale = torch.ones((), dtype=torch.float64)
+    scale.mul_(mom)
+    p.data.add_(p.grad.data * (-lr * (1 - scale)))
+    return {'scale': scale}
+decayed_step.state = dict(scale=lambda p: torch.ones((), dtype=torch.float64))
+
+
+@pytest.mark.parametrize('chain', ['nadam', 'users'])
+def test_a_0d_float64_state_updated_in_place_keeps_its_updates_compiled(chain):
+    """torch 2.13's AOT drops in-place updates of 0-d float64 graph inputs: NAdam's `mu_product` stayed at its first
+    value in the fused backend on float64 params. The compiled chain and the traced step (an outer torch.compile)
+    now hand the chain copies of such entries: float64 params and state, fused and traced, as the loop over 6 steps."""
+    def make(ps, backend):
+        if chain == 'nadam': return cbopt.NAdam(ps, lr=1e-2, backend=backend)
+        return cbopt.Optimizer(ps, [decayed_step], lr=1e-2, mom=0.9, backend=backend)
+    runs = {}
+    for how in ('loop', 'fused', 'traced'):
+        model = make_model(dtype=torch.float64)
+        opt = make(model.parameters(), aot('fused') if how == 'fused' else 'loop')
+        step = torch.compile(opt.step, backend='aot_eager') if how == 'traced' else opt.step
+        for i in range(6):
+            set_grads(model, i)
+            step()
+        key = 'mu_product' if chain == 'nadam' else 'scale'
+        runs[how] = model, [opt.state[p][key].item() for p in model.parameters()]
+    (ref, ref_values) = runs['loop']
+    assert len(set(ref_values)) == 1 and ref_values[0] < 0.6  # (0.9 ** 6 for the user's; NAdam's momentum product)
+    for how in ('fused', 'traced'):
+        model, values = runs[how]
+        assert values == pytest.approx(ref_values, rel=1e-12), how
+        assert_rel_close(model, ref, rtol=1e-12, msg=f"{how}:")
+
+
 def test_tensorlist_bool_raises():
     tl = cbopt.TensorList([torch.ones(2), torch.zeros(3)])
     with pytest.raises(cbopt.BucketError): bool(tl.abs().max() > 0)
