@@ -81,7 +81,7 @@ def nadam_step(p, lr, mom, sqr_mom, eps, step, momentum_decay, grad_avg, sqr_avg
     if mu_product is None: mu_product = _scalar_one(p)
     mu = mom * (1. - 0.5 * 0.96 ** (step * momentum_decay))
     mu_next = mom * (1. - 0.5 * 0.96 ** ((step + 1) * momentum_decay))
-    mu_product = mu_product * mu  # (a new tensor: torch.compile drops in-place updates of 0-d float64 inputs)
+    mu_product.mul_(mu)
     denom = (sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)).sqrt_().add_(eps)
     p.data.addcdiv_(p.grad.data * (-lr * (1. - mu) / (1. - mu_product)), denom)
     p.data.addcdiv_(grad_avg * (-lr * mu_next / (1. - mu_product * mu_next)), denom)

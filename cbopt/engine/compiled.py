@@ -31,7 +31,7 @@ from .buckets import Bucket
 from .foreach import foreach_bucket
 from .runtime import runtime, warn_once
 
-__all__ = ['ScalarArgsAsTensors', 'compiled_bucket', 'fused_bucket', 'copied_0d_float64']
+__all__ = ['ScalarArgsAsTensors', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
 
 
 _LIB = torch.library.Library('cbopt', 'DEF')  # (a plain op: `torch.library.custom_op`'s wrapping costs 4x per call)
@@ -198,13 +198,14 @@ def _merge_scalars(graph: torch.fx.Graph) -> None:
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
 
 
-def copied_0d_float64(ts: Mapping) -> dict:
-    """A param's tensor state as a compiled step hands it to the chain: each 0-d float64 entry as a copy made in the
-    graph. torch 2.13's AOT autograd drops every in-place update of a 0-d float64 graph input (as if it were one of
-    dynamo's own tensorified Python floats: `m.mul_(x)`, `m.add_(x)`, `m.copy_(y)` alike, on CPU), while the copy's
-    update comes back as a new state entry, which the engine writes back as it does any rebound entry."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64 else v
-            for k, v in ts.items()}
+def float64_0d_copies(ts: Mapping) -> dict:
+    """Copies, made in the graph, of a param's 0-d float64 state entries, which a compiled step hands the chain in
+    their place. torch 2.13's AOT autograd drops every in-place update of a 0-d float64 graph input (as if it were one
+    of dynamo's own tensorified Python floats: `m.mul_(x)`, `m.add_(x)`, `m.copy_(y)` alike, on CPU; NAdam's
+    `mu_product` on float64 params), while a copy's update comes back as a new state entry, which the engine writes
+    back as it does any rebound entry."""
+    return {k: v.clone() for k, v in ts.items()
+            if isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64}
 
 
 def _fused_chain_fn(cbs, name: str) -> Callable:
@@ -214,7 +215,7 @@ def _fused_chain_fn(cbs, name: str) -> Callable:
         new_t, new_py = [], None
         with ScalarArgsAsTensors(scalars_once=True):
             for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
-                st = {**pystate, **copied_0d_float64(ts)}
+                st = {**pystate, **ts, **float64_0d_copies(ts)}
                 run_chain(cbs, p, st, hyper)
                 new_t.append({k: v for k, v in st.items()
                               if isinstance(v, torch.Tensor) and v is not ts.get(k) and k not in transient})

@@ -4,8 +4,9 @@ callback once per bucket, on `TensorList` stand-ins whose ops are `torch._foreac
 A callback that cannot run on a whole bucket (Python `if` on a tensor value: `TensorList` raises `BucketError`) is
 found by `probe` on a copy before the bucket is touched, and that bucket then runs param by param, with a one-time
 warning naming the callback. Any other error a callback raises on the copy is a real bug: it is raised as it is,
-before any param changed. A chain of cbopt's own callbacks (`chain.is_cbopts`, declared) is not probed: they run bucket-wise
-by construction, and a probe per bucket per step doubled the Python cost of a step with one param per group.
+before any param changed. A chain of cbopt's own callbacks (`chain.is_cbopts`, declared) is not probed: they run
+bucket-wise by construction, and a probe per bucket per step doubled the Python cost of a step with one param per
+group.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from ..chain import chain_counters, is_declared, is_model_cb, param_chain, trans
 from ..dtensor import is_dtensor
 from ..hypers import Hypers
 from .buckets import Bucket, as_real
-from .compiled import copied_0d_float64
+from .compiled import float64_0d_copies
 from .foreach import dry_copy, run_param
 
 __all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
@@ -135,7 +135,7 @@ def traced_step(opt) -> None:
         transient = transient_keys(cbs)
         with as_real(Bucket(g, todo, [opt.state[p] for p in todo])) as b:
             for p, st in zip(b.params, b.states):
-                st.update(copied_0d_float64(st))  # (see there: an in-place update of one would be lost)
+                st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
                 run_param(cbs, p, st, hyper, transient)
     opt.step_stats = {'lr': lrs, 'skipped': False}
 
