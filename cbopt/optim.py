@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from .lbfgs import LBFGS as _lbfgs_recipe
-from . import optimizers as _fastai
-from . import torch_optimizers as _torch
-from .callbacks import average_sqr_grad, step_stat
-from .hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
+from .recipes.lbfgs import LBFGS as _lbfgs_recipe
+from .recipes import fastai as _fastai
+from .recipes import torch_optim as _torch
+from .callbacks.fastai import average_sqr_grad, step_stat
+from .core.hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
 from .optimizer import Optimizer
-from .optimizers import _decay, maximizing
-from .torch_callbacks import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
+from .recipes.fastai import _decay, maximizing
+from .callbacks.torch_optim import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
 
 __all__ = ['SGD', 'Adam', 'AdamW', 'RMSprop', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop',
            'Adafactor', 'Muon', 'LBFGS']

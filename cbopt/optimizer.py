@@ -11,14 +11,16 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .chain import (around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, flat_model_keys,
+from .core.chain import (around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, flat_model_keys,
                     param_chain, unwrap)
 from .engine import Backend, as_backend
-from .hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
+from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
-from .params import check_params, is_group_dict, named_groups
-from .state import (FLAGS, canonical_names, initial_state, named_state_dict, prepare_load, split_flags, torch_class_state_dict,
-                    torch_state_dict)
+from .core.params import check_params, is_group_dict, named_groups
+from .core.flags import FLAGS, split_flags
+from .core.initial import initial_state
+from .core.names import canonical_names
+from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
 
 __all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
 

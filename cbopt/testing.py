@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .chain import init_chain_state, is_declared, transient_keys
+from .core.chain import init_chain_state, is_declared, transient_keys
 from .engine import Backend
 from .optimizer import Optimizer
-from .state import split_flags
+from .core.flags import split_flags
 
 __all__ = ['check_callback', 'CheckReport']
 

@@ -28,7 +28,7 @@ def fsdp_model(shard_head: bool = True) -> nn.Module:
 
 def average_plain_grads(model: nn.Module) -> None:
     "What DDP does for the params FSDP2 does not hold: average their grads over the ranks."
-    from cbopt.dtensor import is_dtensor
+    from cbopt.core.dtensor import is_dtensor
     for p in model.parameters():
         if p.grad is not None and not is_dtensor(p.grad):
             dist.all_reduce(p.grad)
@@ -146,7 +146,7 @@ step_by_grad_norm.defaults, step_by_grad_norm.state, step_by_grad_norm.scope = d
 
 def reading_a_partial_number(rank: int, world: int) -> dict:
     "Per backend: the error `step_by_grad_norm` gets on FSDP2, and whether the params stayed as they were."
-    from cbopt.dtensor import PartialNumberError
+    from cbopt.core.dtensor import PartialNumberError
     out = {}
     for be in ('loop', 'foreach', 'fused'):
         model = fsdp_model()

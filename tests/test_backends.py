@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import cbopt
-from cbopt.chain import chain_scope, param_chain
+from cbopt.core.chain import chain_scope, param_chain
 from cbopt.engine.kernels import has_kernel
 from cbopt.engine import auto as auto_runner
 from cbopt.engine import buckets as bucketing

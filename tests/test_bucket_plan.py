@@ -11,7 +11,7 @@ import torch
 import cbopt
 from cbopt.engine import Backend
 from cbopt.engine import buckets as bucketing
-from cbopt.engine.runtime import runtime
+from cbopt.core.runtime import runtime
 from conftest import NO_COMPILE_FALLBACK, assert_rel_close, make_model, set_grads, train
 
 pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]

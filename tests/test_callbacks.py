@@ -13,7 +13,7 @@ import torch
 from cbopt.callbacks import (adam_step, average_grad, average_sqr_grad, dampened_grad_avg, debias, l2_reg, lamb_step,
                              larc_layer_lr, larc_step, lookahead_keep, lookahead_step, momentum_step, nesterov_step,
                              qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
-from cbopt.tensorlist import TensorList
+from cbopt.core.tensorlist import TensorList
 
 
 def T(*xs: float) -> torch.Tensor:

@@ -246,35 +246,6 @@ def test_backend_options_are_per_optimizer():
     with pytest.raises(TypeError, match='backend must be a str or a cbopt.Backend'): cbopt.Adam(ps, backend=3)
 
 
-def test_import_graph_has_no_cycle():
-    "No module imports a module that imports it back, not even at call time: every `from .x import` (anywhere in a file)."
-    import ast, pathlib
-    root = pathlib.Path(cbopt.__file__).parent
-    def mod_name(path): return '.'.join(('cbopt', *path.relative_to(root).with_suffix('').parts)).removesuffix('.__init__')
-    graph = {}
-    for path in root.rglob('*.py'):
-        name, pkg = mod_name(path), mod_name(path) if path.name == '__init__.py' else mod_name(path).rsplit('.', 1)[0]
-        deps = set()
-        def nodes(tree):  # every node but the bodies of `if TYPE_CHECKING:` (annotations only, never run)
-            for n in ast.iter_child_nodes(tree):
-                if isinstance(n, ast.If) and getattr(n.test, 'id', None) == 'TYPE_CHECKING': continue
-                yield n
-                yield from nodes(n)
-        for node in nodes(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = pkg.rsplit('.', node.level - 1)[0] if node.level > 1 else pkg
-                target = f"{base}.{node.module}" if node.module else base
-                deps.add(target)
-                deps.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` may name a module
-        graph[name] = deps
-    graph = {k: {d for d in v if d in graph and d not in (k, 'cbopt')} for k, v in graph.items()}  # (a package's own __init__ runs anyway)
-    def reaches(a, b, seen=()):
-        return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph[a])
-    cycles = [(a, b) for a in graph for b in graph[a] if reaches(b, a)]
-    assert not cycles, cycles
-    assert not graph['cbopt.chain'], graph['cbopt.chain']  # the protocol is a leaf
-
-
 def test_lookahead_refuses_an_in_backward_optimizer():
     m = make_model()
     with pytest.raises(TypeError, match=r"InBackward\(Lookahead\(opt\)\)"): cbopt.Lookahead(cbopt.InBackward(cbopt.SGD(m.parameters())))

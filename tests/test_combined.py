@@ -51,7 +51,7 @@ def test_keys_are_prefixed_as_torchrec_does():
     assert bare.param_names == [n for n, _ in model.named_parameters()]
     mixed = cbopt.CombinedOptimizer([cbopt.Adam(list(model.named_parameters())[:2]), ('head', cbopt.SGD(model[2].named_parameters()))])
     assert mixed.param_names == ['0.weight', '0.bias', 'head.weight', 'head.bias']
-    assert cbopt.combined.prepend_opt_key('w', '') == 'w' and cbopt.combined.prepend_opt_key('w', 'a.b') == 'a.b.w'
+    assert cbopt.wrappers.combined.prepend_opt_key('w', '') == 'w' and cbopt.wrappers.combined.prepend_opt_key('w', 'a.b') == 'a.b.w'
 
 
 @pytest.mark.parametrize('backend', BACKENDS, ids=IDS)

@@ -9,7 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import cbopt
-from cbopt.engine import compiled
+from cbopt.engine import compiled, scalars
 from conftest import assert_rel_close
 
 SCALAR, SCALARS = torch.ops.cbopt.scalar.default, torch.ops.cbopt.scalars.default
@@ -35,7 +35,7 @@ def test_scalars_once_dedupes_drops_inputs_and_merges() -> None:
     gm = make_fx(step)(*[a.clone() for a in args])
     assert len(_calls(gm, SCALAR)) == 7
     expected = gm(*[a.clone() for a in args])
-    compiled.ScalarsOnce()(gm.graph)
+    scalars.ScalarsOnce()(gm.graph)
     gm.graph.lint()
     gm.recompile()
     merged = _calls(gm, SCALARS)
@@ -93,7 +93,7 @@ def test_scalars_once_keeps_one_barrier_per_converted_value() -> None:
     gm = make_fx(step)(*args)
     expected = gm(*args)
     assert len(_calls(gm, SCALAR)) == 3
-    compiled.ScalarsOnce()(gm.graph)
+    scalars.ScalarsOnce()(gm.graph)
     gm.graph.lint()
     gm.recompile()
     (merged,) = _calls(gm, SCALARS)
@@ -145,6 +145,6 @@ def test_scalars_once_has_a_key_for_the_graph_cache() -> None:
     """Inductor's FX graph cache keys a custom pass by its `uuid`: the hash of the pass's source file, the same for
     every instance (a cached graph compiled with another version of the pass is not reused)."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
-    key = compiled.ScalarsOnce().uuid()
-    assert isinstance(key, bytes) and key == compiled.ScalarsOnce().uuid()
-    assert key == get_hash_for_files((compiled.__file__,))
+    key = scalars.ScalarsOnce().uuid()
+    assert isinstance(key, bytes) and key == scalars.ScalarsOnce().uuid()
+    assert key == get_hash_for_files((scalars.__file__,))

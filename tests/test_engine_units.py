@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import cbopt
-from cbopt.chain import per_tensor, zeros
+from cbopt.core.chain import per_tensor, zeros
 from cbopt.engine import Backend, as_backend
 from cbopt.engine import buckets as bucketing
 from cbopt.engine import compiled
-from cbopt.engine.compiled import PAD_NUMEL, ScalarArgsAsTensors, can_flatten, flat_chunks, padding, shape_chunks
-from cbopt.engine.runtime import warn_once
+from cbopt.engine import flat, scalars
+from cbopt.engine.flat import PAD_NUMEL, can_flatten, flat_chunks, padding, shape_chunks
+from cbopt.engine.scalars import ScalarArgsAsTensors
+from cbopt.core.runtime import warn_once
 from conftest import NO_COMPILE_FALLBACK, assert_tensors_close
 
 pytestmark = NO_COMPILE_FALLBACK
@@ -177,8 +179,8 @@ def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> 
         'scalar-math': lambda: (x * (0.9 ** 3) / (1 - torch.tensor(0.3, dtype=torch.float64))).sub(y, alpha=1 / 7),
         'rsub': lambda: 1. - x / torch.tensor(3., dtype=torch.float64),
     }
-    barriers, real = [], compiled.scalar
-    monkeypatch.setattr(compiled, 'scalar', lambda v: barriers.append(v) or real(v))
+    barriers, real = [], scalars.scalar
+    monkeypatch.setattr(scalars, 'scalar', lambda v: barriers.append(v) or real(v))
     for name, op in ops.items():
         expected = op()
         with ScalarArgsAsTensors(scalars_once): got = op()
@@ -324,7 +326,7 @@ def _sharded(mesh, t: torch.Tensor) -> torch.Tensor:
 def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh) -> None:
     """On CPU, auto times foreach against loop, but not for DTensors: a choice by timing could differ between ranks.
     The params step as plain ones do."""
-    from cbopt.engine.runtime import runtime
+    from cbopt.core.runtime import runtime
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))
     plain = torch.nn.Parameter(torch.arange(4.))
     opt, ref = cbopt.RMSProp([w], lr=0.1), cbopt.RMSProp([plain], lr=0.1, backend="loop")  # (no torch kernel)
@@ -393,7 +395,7 @@ def test_real_state_of_a_complex_param_is_kept_as_it_is(backend) -> None:
 
 def test_auto_times_each_runner_auto_trials_times_then_no_more() -> None:
     "After `auto_trials` timed steps of each of foreach and loop (per layout), auto stops timing."
-    from cbopt.engine.runtime import runtime
+    from cbopt.core.runtime import runtime
     p = torch.nn.Parameter(torch.zeros(3))
     opt = cbopt.RMSProp([p], lr=0.1, backend=Backend("auto", auto_trials=3))  # (no torch kernel: auto times it)
     for _ in range(12):
@@ -428,7 +430,7 @@ _step_by_grad_norm.defaults, _step_by_grad_norm.state, _step_by_grad_norm.scope 
 @pytest.mark.parametrize('backend', ['loop', 'foreach'])
 def test_a_python_number_of_a_partial_dtensor_is_rejected(one_rank_mesh, backend) -> None:
     "On DTensors, a chain that is not elementwise may not read a number of a reduction over a shard; nothing changes."
-    from cbopt.dtensor import PartialNumberError
+    from cbopt.core.dtensor import PartialNumberError
     w = torch.nn.Parameter(_sharded(one_rank_mesh, torch.arange(4.)))
     opt = cbopt.Optimizer([w], [_step_by_grad_norm], backend=backend)
     w.grad = _sharded(one_rank_mesh, torch.full((4,), 3.))
@@ -477,7 +479,7 @@ def test_only_chains_with_a_users_callback_are_probed(monkeypatch) -> None:
     the user's, which may branch on a tensor's value at any step; cbopt's own run bucket-wise by construction
     (`test_backends.test_foreach_is_loop` runs each), under partials and `kahan` too, so they are never probed."""
     from functools import partial
-    from cbopt.chain import is_cbopts
+    from cbopt.core.chain import is_cbopts
     from cbopt.engine import foreach as foreach_runner
     probed = []
     real = foreach_runner.probe
@@ -515,7 +517,7 @@ def test_a_state_entry_set_to_none_is_none_in_every_backend(backend) -> None:
 
 def test_a_callback_returning_state_for_fewer_params_than_its_bucket_is_an_error() -> None:
     "foreach gives each param its own tensor of a returned TensorList: one of another length is refused, not cut."
-    from cbopt.tensorlist import TensorList
+    from cbopt.core.tensorlist import TensorList
     def short(p, **kwargs): return {'buf': TensorList(list(p.grad)[:1])}
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     opt = cbopt.Optimizer([a, b], [short, cbopt.sgd_step], lr=0.1, backend='foreach')
@@ -579,7 +581,7 @@ def test_a_kernel_given_a_grad_scale_steps_as_torchs_clip_then_fused_adamw(monke
     weight is cut, the biases join others); by default (not in place) the user's grads are left as they were."""
     from conftest import assert_same_params, make_model, set_grads
     from cbopt.engine import kernels
-    from cbopt.hypers import Hypers
+    from cbopt.core.hypers import Hypers
     monkeypatch.setattr(kernels, 'SCALE_CHUNK', 16)
     hypers = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01)
     model, ref = make_model(dtype=torch.float64), make_model(dtype=torch.float64)
@@ -790,7 +792,7 @@ def test_fused_sgd_with_its_defaults_is_torchs_fused_sgd_with_l2() -> None:
     `weight_decay`, bit for bit."""
     from conftest import assert_same_params, make_model, set_grads
     from cbopt.engine import kernels
-    from cbopt.hypers import Hypers
+    from cbopt.core.hypers import Hypers
     model, ref = make_model(), make_model()
     opt = cbopt.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, weight_decay=0.1, fused=True)
@@ -923,7 +925,7 @@ def test_a_packed_chain_that_rebinds_its_state_gives_each_param_its_own() -> Non
         opt.step()
         ref.step()
         assert_tensors_close(ps, qs, msg=f'step {i}')
-    (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
+    (kept,) = cbopt.core.runtime.runtime(opt).flat_aliases.values()
     assert sorted(kept['pack'].members) == [1, 2, 3, 4, 5, 6]
     assert_tensors_close([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
     assert all(torch.equal(opt.state[p]['n'], torch.tensor(4.)) for p in ps)
@@ -952,7 +954,7 @@ def test_pack_fits_only_the_same_params_sizes_keys_and_dtypes() -> None:
     "A kept `Pack` serves a step only if the small params are the same ones, of the same sizes, state keys and dtypes."
     qs = [torch.zeros(3), torch.zeros(2)]
     ts = [{'a': torch.zeros(3), 'n': torch.zeros(())}, {'a': torch.zeros(2), 'n': torch.zeros(())}]
-    pack = compiled.Pack([0, 2], qs, ts, ('n',))
+    pack = flat.Pack([0, 2], qs, ts, ('n',))
     assert pack.fits([0, 2], qs, ts, ('n',))
     assert not pack.fits([0, 1], qs, ts, ('n',))                                   # other params
     assert not pack.fits([0, 2], [torch.zeros(2), torch.zeros(3)], ts, ('n',))      # other sizes
@@ -1122,7 +1124,7 @@ def test_flat_runs_with_no_one_or_two_small_params(small) -> None:
         for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
         opt.step(), ref.step()
         assert_tensors_close(ps, qs, msg=f'step {i}')
-    (kept,) = cbopt.engine.runtime.runtime(opt).flat_aliases.values()
+    (kept,) = cbopt.core.runtime.runtime(opt).flat_aliases.values()
     assert (sorted(kept['pack'].members) if 'pack' in kept else None) == ([2, 3] if small == 2 else None)
 
 
@@ -1135,7 +1137,7 @@ def test_each_bucket_keeps_its_own_flat_aliases() -> None:
     for gs in grads:
         for p, gr in zip(ps, gs): p.grad = gr.clone()
         opt.step()
-    kept = cbopt.engine.runtime.runtime(opt).flat_aliases
+    kept = cbopt.core.runtime.runtime(opt).flat_aliases
     assert len(kept) == 2
     assert sorted(sorted(k for k in v if k != 'pack') for v in kept.values()) == sorted([sorted(map(id, ps[:2])),
                                                                                         sorted(map(id, ps[2:]))])

@@ -30,7 +30,7 @@ from torch.amp import GradScaler, autocast
 from torch.utils.data import TensorDataset
 
 import cbopt
-from cbopt.state import FLAGS
+from cbopt.core.flags import FLAGS
 from conftest import assert_same_params
 
 pytestmark = pytest.mark.usefixtures('one_thread')

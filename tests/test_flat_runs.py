@@ -9,9 +9,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import cbopt
-from cbopt.chain import zeros
-from cbopt.engine import compiled
-from cbopt.engine.runtime import runtime
+from cbopt.core.chain import zeros
+from cbopt.engine import compiled, flat
+from cbopt.core.runtime import runtime
 from conftest import NO_COMPILE_FALLBACK, assert_tensors_close
 
 pytestmark = NO_COMPILE_FALLBACK
@@ -67,7 +67,7 @@ def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None
             kept = runtime(opt).flat_aliases
             assert _graphs() - before == 1
             (aliases,) = kept.values()
-            small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= compiled.PACK_NUMEL]
+            small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= flat.PACK_NUMEL]
             assert aliases['pack'].members == small and len(small) == 6
             assert all(v[0].grad is None for k, v in aliases.items() if k != 'pack')
             assert aliases['pack'].param.grad is None
@@ -120,7 +120,7 @@ def test_small_params_with_a_0d_state_entry_step_packed(kind) -> None:
     g = torch.Generator().manual_seed(1)
     start = [torch.randn(s, generator=g) for s in SHAPES]
     grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(12)]
-    small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= compiled.PACK_NUMEL]
+    small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= flat.PACK_NUMEL]
     key = 'mu_product' if kind == 'nadam' else 'lr_max'
     runs = {}
     for backend in (cbopt.Backend('fused', compiler='eager', compile_chunk=4), 'loop'):

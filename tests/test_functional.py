@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import cbopt
-from cbopt.chain import cb_name, is_model_cb
+from cbopt.core.chain import cb_name, is_model_cb
 from cases import CASES, case, clip_by_norm
 from conftest import assert_tensor_close, make_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cbopt
-from cbopt.hypers import ParamGroup, expand_hyper
+from cbopt.core.hypers import ParamGroup, expand_hyper
 
 
 def group(**kw) -> ParamGroup:
@@ -60,7 +60,7 @@ def test_hypers_len_repr_eq() -> None:
 def test_hypers_keys_and_errors() -> None:
     "Reading a non-hyper is a KeyError naming it; writing one says it is not a hyper; a snapshot is the hypers alone."
     g = group(momentum=0.9, **{'skip_nonfinite.skipped_total': 2})
-    h = cbopt.hypers.Hypers(g)
+    h = cbopt.core.hypers.Hypers(g)
     for k in ('params', 'param_names', 'momentum', 'skip_nonfinite.skipped_total'):
         with pytest.raises(KeyError) as e: h[k]
         assert e.value.args == (k,)
@@ -72,7 +72,7 @@ def test_hypers_keys_and_errors() -> None:
     assert g['wd'] == 0.5
     del h['wd']
     assert 'wd' not in g
-    assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 2}
+    assert cbopt.core.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 2}
     for k in ('params', 'skip_nonfinite.skipped_total'):  # set_hyper's path: refused before any value is looked at
         with pytest.raises(KeyError) as e: expand_hyper(k, [1, 2, 3], 2)  # before the count is checked
         assert e.value.args == (f"{k!r} is not a hyper",)
@@ -81,7 +81,7 @@ def test_hypers_keys_and_errors() -> None:
 def test_torch_and_cbopt_names_of_one_hyper_must_agree() -> None:
     """`weight_decay` and `wd` given together must be equal; tensors are the same only if they are the same tensor
     (two tensors' `==` has no one truth value, and a number never equals a tensor here)."""
-    from cbopt.hypers import from_torch_names
+    from cbopt.core.hypers import from_torch_names
     t = torch.tensor(0.1)
     assert from_torch_names({'weight_decay': 0.1, 'wd': 0.1}) == {'wd': 0.1}
     assert from_torch_names({'weight_decay': t, 'wd': t})['wd'] is t
@@ -162,7 +162,7 @@ REFUSALS = [  # (name, value, group index) -> (error, the whole message)
 def test_check_hyper_refusals_in_these_words(case, expected) -> None:
     "Each refusal names the hyper, the group when given, what it got and what it takes; a range's note only if any."
     err, msg = expected
-    with pytest.raises(err) as e: cbopt.hypers.check_hyper(*case)
+    with pytest.raises(err) as e: cbopt.core.hypers.check_hyper(*case)
     assert e.value.args == (msg,)
 
 
@@ -170,7 +170,7 @@ def test_hypers_view_refuses_what_is_not_a_hyper() -> None:
     """fastai's view neither reads nor writes the group's params, names, torch aliases or whole-model entries: a
     KeyError of the key (as a dict's), or saying it is not a hyper, and the group unchanged."""
     g = group(**{'skip_nonfinite.skipped_total': 3})
-    h, before = cbopt.hypers.Hypers(g), dict(g)
+    h, before = cbopt.core.hypers.Hypers(g), dict(g)
     for k in ('params', 'momentum', 'skip_nonfinite.skipped_total'):
         with pytest.raises(KeyError) as e: h[k]
         assert e.value.args == (k,)
@@ -178,7 +178,7 @@ def test_hypers_view_refuses_what_is_not_a_hyper() -> None:
         with pytest.raises(KeyError) as e: h[k] = 1
         assert e.value.args == (f"{k!r} is not a hyper",)
     assert dict(g) == before
-    assert cbopt.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 3}
+    assert cbopt.core.hypers.model_entries(g) == {'skip_nonfinite.skipped_total': 3}
 
 
 def test_snapshot_gives_a_tensor_hyper_as_a_0d_view_of_itself() -> None:
@@ -187,7 +187,7 @@ def test_snapshot_gives_a_tensor_hyper_as_a_0d_view_of_itself() -> None:
         lr = torch.full(shape, 0.1)
         g = group()
         g['lr'] = lr
-        s = cbopt.hypers.Hypers(g).snapshot()
+        s = cbopt.core.hypers.Hypers(g).snapshot()
         assert s['lr'].shape == () and s['lr'].data_ptr() == lr.data_ptr()
         lr.fill_(0.2)
         assert s['lr'].item() == pytest.approx(0.2)
@@ -198,13 +198,13 @@ def test_snapshot_follows_the_groups_keys_as_they_change() -> None:
     of the next (the hyper keys are found once per set of keys), never the params, names, chain, torch's aliases or
     whole-model entries."""
     g = group()
-    first = cbopt.hypers.Hypers(g).snapshot()
+    first = cbopt.core.hypers.Hypers(g).snapshot()
     g['my_hyper'] = 3
     g['clip.count'] = 2  # a whole-model callback's state
-    second = cbopt.hypers.Hypers(g).snapshot()
+    second = cbopt.core.hypers.Hypers(g).snapshot()
     assert second == {**first, 'my_hyper': 3}
     del g['my_hyper']
-    assert cbopt.hypers.Hypers(g).snapshot() == first
+    assert cbopt.core.hypers.Hypers(g).snapshot() == first
     assert not {'params', 'param_names', 'cbs', 'chain', 'momentum', 'clip.count'} & set(second)
 
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from cbopt.modern_callbacks import (adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg, lion_step,
+from cbopt.callbacks.modern import (adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg, lion_step,
                                     proximal_decay, slow_grad_avg, stable_adamw_step, stable_decay, stable_lr)
 
 
@@ -131,7 +131,7 @@ def test_stable_decay_and_step() -> None:
 
 
 # -- schedule-free -------------------------------------------------------------------------------------------------
-from cbopt.modern_callbacks import adam_normalize_grad, schedule_free_step, schedule_free_weight
+from cbopt.callbacks.modern import adam_normalize_grad, schedule_free_step, schedule_free_weight
 
 
 def test_schedule_free_weight_warms_up_and_weights_by_lr_max() -> None:
@@ -198,7 +198,7 @@ def test_kahan_keeps_what_bfloat16_rounds_away() -> None:
     is within half a spacing of it."""
     import pytest
     from cbopt.callbacks import sgd_step
-    from cbopt.kahan import kahan, kahan_chain
+    from cbopt.callbacks.compensated import kahan, kahan_chain
     step = kahan(sgd_step)
     p = torch.ones(1, dtype=torch.bfloat16)
     p.grad = torch.ones(1, dtype=torch.bfloat16)

@@ -263,7 +263,7 @@ BAD_FORMS = {  # params -> (error, the whole message)
                                                                    "position 0 whose name is an int (1): param names "
                                                                    "are strings")),
     'int in a list under a name': ({'enc': [W, 3]}, (TypeError, f"params at 'enc' holds an int at position 1, {PAIR}")),
-    'set in a list': ([W, {V}], (TypeError, "params is a set: " + cbopt.params.SET_MSG)),
+    'set in a list': ([W, {V}], (TypeError, "params is a set: " + cbopt.core.params.SET_MSG)),
     'empty list': ([], (ValueError, "optimizer got an empty parameter list (a generator such as model.parameters() "
                                     "gives its params only once: was it used before?)")),
     'group dicts mixed with tensors': ([{'params': [W]}, V], (TypeError, "params mixes group dicts with other entries: "
@@ -278,20 +278,20 @@ BAD_FORMS = {  # params -> (error, the whole message)
 def test_bad_forms_raise_these_words(form: str) -> None:
     "Each refusal of `named_groups` names the culprit, where it is (the dotted name, the position, the group), whole."
     params, (err, msg) = BAD_FORMS[form]
-    with pytest.raises(err) as e: cbopt.params.named_groups(params)
+    with pytest.raises(err) as e: cbopt.core.params.named_groups(params)
     assert str(e.value) == msg
 
 
 def test_dicts_in_a_list_are_flattened_in_place() -> None:
     "A name -> param dict among a list's tensors names its params under the list's own name, in order."
     a, b, c = (torch.zeros(i + 1, requires_grad=True) for i in range(3))
-    (g,) = cbopt.params.named_groups({'enc': [a, {'w': b}, c]})
+    (g,) = cbopt.core.params.named_groups({'enc': [a, {'w': b}, c]})
     assert g['param_names'] == ['enc.0', 'enc.w', 'enc.2'] and all(x is y for x, y in zip(g['params'], [a, b, c]))
-    (g,) = cbopt.params.named_groups([a, {'w': b}])
+    (g,) = cbopt.core.params.named_groups([a, {'w': b}])
     assert g['param_names'] == ['0', 'w'] and g['params'][1] is b
 
 
 def test_a_lone_group_dict_is_one_group() -> None:
     "A group dict on its own (not in a list) is one group with its hypers, as if in a list."
-    (g,) = cbopt.params.named_groups({'params': [W, V], 'lr': 0.1})
+    (g,) = cbopt.core.params.named_groups({'params': [W, V], 'lr': 0.1})
     assert g['lr'] == 0.1 and g['param_names'] == ['0', '1'] and g['params'][0] is W and g['params'][1] is V

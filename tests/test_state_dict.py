@@ -8,8 +8,8 @@ from fastai.optimizer import Adam as FastaiAdam
 from torch import nn
 
 import cbopt
-from cbopt.hypers import model_entries
-from cbopt.state import split_flags
+from cbopt.core.hypers import model_entries
+from cbopt.core.flags import split_flags
 from conftest import make_model, random_grads
 
 NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']  # make_model's

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 import cbopt
-from cbopt.state import canonical_names, named_state_dict, prepare_load, read_checkpoint, split_flags
+from cbopt.core.flags import split_flags
+from cbopt.core.names import canonical_names
+from cbopt.state import named_state_dict, prepare_load, read_checkpoint
 from cbopt.state.formats import torch_hypers, torch_state
 
 
@@ -893,7 +895,7 @@ def test_lbfgs_history_goes_under_torchs_first_param_past_other_whole_model_call
             return loss
         for _ in range(steps): opt.step(closure)
     hypers = dict(lr=0.2, max_iter=4, history_size=3)
-    ours = lambda m: cbopt.wrappers.wrap(cbopt.LBFGS(m.named_parameters(), **hypers), cbopt.grad_norm)
+    ours = lambda m: cbopt.wrappers.whole_model.wrap(cbopt.LBFGS(m.named_parameters(), **hypers), cbopt.grad_norm)
     a, b = mlp(), mlp()
     torch_opt, opt = torch.optim.LBFGS(a.parameters(), **hypers), ours(b)
     run(a, torch_opt, 3)

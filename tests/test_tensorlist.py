@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cbopt import tensorlist
-from cbopt.tensorlist import BucketError, TensorList
+from cbopt.core.tensorlist import BucketError, TensorList
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 SHAPES = [(64,), (), (0,), (8, 16)]  # a vector, a 0-d tensor, an empty tensor, a matrix: one bucket of mixed shapes

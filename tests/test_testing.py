@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cbopt
-from cbopt.tensorlist import TensorList
+from cbopt.core.tensorlist import TensorList
 from cbopt.testing import check_callback
 from cases import CASES
 
@@ -24,7 +24,7 @@ def test_a_user_chain_passes():
         if grad_avg is None: grad_avg = torch.zeros_like(p.grad)
         p.data.sub_(grad_avg.lerp(p.grad, 1 - mom).sign_() * lr)
         return {'grad_avg': grad_avg}
-    lion_step.defaults, lion_step.state = dict(mom=0.9), dict(grad_avg=cbopt.chain.zeros)
+    lion_step.defaults, lion_step.state = dict(mom=0.9), dict(grad_avg=cbopt.core.chain.zeros)
     report = check_callback([cbopt.weight_decay, lion_step], lr=1e-3, wd=0.1)
     assert report.ok and str(report).startswith('check_callback: all checks passed')
 
@@ -41,7 +41,7 @@ def declares_wrong(p, lr, buf=None, **kwargs):
     buf.add_(p.grad)
     p.data.add_(buf, alpha=-lr)
     return {'buf': buf}
-declares_wrong.state = dict(avg=cbopt.chain.zeros)
+declares_wrong.state = dict(avg=cbopt.core.chain.zeros)
 
 
 def keeps_a_python_object(p, lr, history=None, **kwargs):

@@ -11,7 +11,7 @@ import math
 import torch
 
 from cbopt.callbacks import adam_step, amsgrad_max, negate_grad
-from cbopt.torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
+from cbopt.callbacks.torch_optim import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
                                    inf_norm_grad, nadam_step, relative_step_size, rprop_step, sqr_grad_sum)
 
 
@@ -262,7 +262,7 @@ def test_amsgrad_max_and_adam_step_with_it() -> None:
 
 
 # -- Muon ------------------------------------------------------------------------------------------------------------
-from cbopt.torch_callbacks import (centered_grad_avg, muon_momentum, muon_step, newton_schulz, torch_rmsprop_momentum_step,
+from cbopt.callbacks.torch_optim import (centered_grad_avg, muon_momentum, muon_step, newton_schulz, torch_rmsprop_momentum_step,
                                    torch_rmsprop_step)
 
 NS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's default ns_coefficients

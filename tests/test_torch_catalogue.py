@@ -18,7 +18,7 @@ from torch import nn, optim
 
 import cbopt
 from cbopt.state.formats import torch_state_names
-from cbopt.torch_optimizers import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
+from cbopt.recipes.torch_optim import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
 import torch.nn.functional as F
 from conftest import assert_rel_close, assert_tensor_close, make_model, set_grads, train
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cbopt.warmup import GradientClipping, WarmupPolicy, WarmupSchedule, WarmupStage, warmup_multiplier
+from cbopt.callbacks.schedules import GradientClipping, WarmupPolicy, WarmupSchedule, WarmupStage, warmup_multiplier
 
 P = WarmupPolicy
 

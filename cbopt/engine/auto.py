@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from ..dtensor import is_dtensor
+from ..core.dtensor import is_dtensor
 from .buckets import Bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
-from .runtime import runtime
+from ..core.runtime import runtime
 
 __all__ = ['auto_bucket', 'choose']
 

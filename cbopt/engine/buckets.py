@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..chain import chain_scope, param_chain
-from ..dtensor import is_dtensor, layout_key
-from ..tensorlist import TensorList
-from .runtime import runtime
+from ..core.chain import chain_scope, param_chain
+from ..core.dtensor import is_dtensor, layout_key
+from ..core.tensorlist import TensorList
+from ..core.runtime import runtime
 
 __all__ = ['Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
            'cache_chunks', 'model_buckets', 'as_real']

@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..chain import cb_name, check_returns, is_cbopts, is_declared, run_chain, transient_keys
-from ..dtensor import refusing_partial_numbers
-from ..tensorlist import BucketError, TensorList
+from ..core.chain import cb_name, check_returns, is_cbopts, is_declared, run_chain, transient_keys
+from ..core.dtensor import refusing_partial_numbers
+from ..core.tensorlist import BucketError, TensorList
 from .buckets import Bucket, bucket_state, cache_chunks, stand_in, write_state
-from .runtime import runtime, warn_once
+from ..core.runtime import runtime, warn_once
 
 __all__ = ['run_param', 'loop_bucket', 'dry_copy', 'probe', 'foreach_bucket', 'check_once']
 

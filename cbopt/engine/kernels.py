@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from ..chain import chain_sig
-from ..hypers import is_model_entry
-from ..state.flags import FLAGS
-from ..dtensor import is_dtensor, local
+from ..core.chain import chain_sig
+from ..core.hypers import is_model_entry
+from ..core.flags import FLAGS
+from ..core.dtensor import is_dtensor, local
 from .buckets import Bucket
 
 __all__ = ['register_kernel', 'has_kernel', 'torch_kernel', 'kernel_step', 'fused_adamw', 'fused_adam', 'fused_sgd',

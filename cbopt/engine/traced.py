@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..chain import chain_counters, is_declared, is_model_cb, param_chain, transient_keys
-from ..dtensor import is_dtensor
-from ..hypers import Hypers
+from ..core.chain import chain_counters, is_declared, is_model_cb, param_chain, transient_keys
+from ..core.dtensor import is_dtensor
+from ..core.hypers import Hypers
 from .buckets import Bucket, as_real
 from .compiled import float64_0d_copies
 from .foreach import dry_copy, run_param
@@ -84,8 +84,8 @@ def prepare(opt) -> bool:
     torch's `_init_group`). Returns whether every group with grads can be traced (see the module docstring); if so,
     creates the declared state of params about to take their first step and turns the chains' Python counters into
     0-d float64 tensors (`number_tensor`), so the graph steps them as inputs. Nothing changes otherwise."""
-    from ..state.flags import split_flags
-    from ..state.named import initial_state
+    from ..core.flags import split_flags
+    from ..core.initial import initial_state
     todo = []
     with torch.no_grad():
         for g in opt.param_groups:

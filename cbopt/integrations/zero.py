@@ -35,9 +35,9 @@ from types import MethodType
 from typing import Any
 
 from .. import optimizer as _optimizer
-from ..chain import chain_name
-from ..hypers import ALIASES, NOT_HYPERS, same_value
-from ..state.names import is_positional
+from ..core.chain import chain_name
+from ..core.hypers import ALIASES, NOT_HYPERS, same_value
+from ..core.names import is_positional
 
 __all__ = ['zero_building', 'hook_zero']
 

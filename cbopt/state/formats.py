@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
-from ..hypers import TORCH_HYPER_NAMES, from_torch_names
-from .flags import split_flags
+from ..core.chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
+from ..core.hypers import TORCH_HYPER_NAMES, from_torch_names
+from ..core.flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_FIXED_FLAGS', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',

@@ -21,7 +21,7 @@ class Runtime:
         self.per_param: set = set()   # layouts whose chain failed the foreach probe: they run param by param
         self.checked: set = set()     # chains checked for two callbacks creating one state entry
         self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...]}
-        self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`compiled.flat_inputs`)
+        self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`engine.flat.flat_inputs`)
         self.bucket_plan = None       # the last step's buckets, checked at the next (`buckets.planned_buckets`)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, TORCH_NAMES, check_hyper, from_torch_names
-from .state.names import canonical_names
+from .names import canonical_names
 
 __all__ = ['named_groups', 'check_params', 'is_group_dict']
 

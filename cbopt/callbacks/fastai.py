@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .chain import copy_of_param, zeros
+from ..core.chain import copy_of_param, zeros
 
 __all__ = ['negate_grad', 'weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
            'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from . import engine
-from .chain import cb_name, unwrap
-from .engine import Backend
-from .engine.buckets import Bucket, as_real
-from .engine.foreach import loop_bucket
-from .engine.kernels import torch_kernel
-from .hypers import Hypers
-from .optimizer import Optimizer
+from .. import engine
+from ..core.chain import cb_name, unwrap
+from ..engine import Backend
+from ..engine.buckets import Bucket, as_real
+from ..engine.foreach import loop_bucket
+from ..engine.kernels import torch_kernel
+from ..core.hypers import Hypers
+from ..optimizer import Optimizer
 
 __all__ = ['InBackward', 'model_scope_callbacks']
 

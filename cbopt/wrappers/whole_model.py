@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from .chain import cb_name
-from .model_callbacks import accumulate_grads, clip_grad_norm, clip_grad_value, grad_norm, skip_nonfinite, warmup
-from .optimizer import Optimizer, rechain
-from .warmup import GradientClipping, WarmupSchedule, WarmupStage
+from ..core.chain import cb_name
+from ..callbacks.schedules import GradientClipping, WarmupSchedule, WarmupStage, warmup
+from ..callbacks.whole_model import accumulate_grads, clip_grad_norm, clip_grad_value, grad_norm, skip_nonfinite
+from ..optimizer import Optimizer, rechain
 
 __all__ = ['wrap', 'GradientClippingOptimizer', 'WarmupOptimizer', 'SkipNonFinite', 'Accumulate']
 

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .callbacks import decays, weight_decay
-from .chain import copy_of_param, zeros
+from .fastai import decays, weight_decay
+from ..core.chain import copy_of_param, zeros
 
 __all__ = ['lion_step', 'lion_avg', 'adan_avgs', 'adan_step', 'proximal_decay', 'slow_grad_avg', 'ademamix_step',
            'debiased_avgs', 'stable_lr', 'stable_decay', 'stable_adamw_step', 'schedule_free_weight',

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from .engine import register_kernel
-from .engine.kernels import fused_adagrad
-from .callbacks import average_grad, average_sqr_grad, step_stat, weight_decay
-from .hypers import torch_keywords
-from .optimizer import Optimizer
-from .optimizers import _decay, adam_chain, maximizing
-from .hypers import expand_hyper
-from .params import named_groups
-from .torch_callbacks import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
+from ..engine import register_kernel
+from ..engine.kernels import fused_adagrad
+from ..callbacks.fastai import average_grad, average_sqr_grad, step_stat, weight_decay
+from ..core.hypers import torch_keywords
+from ..optimizer import Optimizer
+from .fastai import _decay, adam_chain, maximizing
+from ..core.hypers import expand_hyper
+from ..core.params import named_groups
+from ..callbacks.torch_optim import (adadelta_step, adafactor_step, adagrad_step, adamax_step, asgd_step, factored_sqr_grad,
                               inf_norm_grad, muon_momentum, muon_step, nadam_step, relative_step_size, rprop_step,
                               sqr_grad_sum)
 

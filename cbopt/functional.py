@@ -20,6 +20,7 @@ callbacks may branch on them in Python (`if wd != 0`).
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Number
 from typing import Any
@@ -27,13 +28,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .chain import cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, is_model_cb, transient_keys, unwrap
-from .engine.compiled import ScalarArgsAsTensors
+from .core.chain import cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, is_model_cb, transient_keys, unwrap
+from .engine.scalars import ScalarArgsAsTensors
 from .engine.foreach import run_param
 from .engine.traced import VALUE_READS as _VALUE_READS, number_tensor as _tensor
-from .hypers import Hypers, check_hyper
+from .core.hypers import Hypers, check_hyper
 from .optimizer import STANDARD_HYPERS, Optimizer, _check_read
-from .state.named import chain_initial_state
+from .core.initial import chain_initial_state
 
 __all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPERS']
 
@@ -283,3 +284,13 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
     if callable(factory_or_cbs) and not isinstance(factory_or_cbs, (Optimizer, list, tuple)):
         fopt._regroup = lambda params: factory_or_cbs(params, **hypers)  # init checks how it groups the real params
     return fopt
+
+
+class _CallableModule(types.ModuleType):
+    """`cbopt.functional` is this module and its main function at once: `cbopt.functional(cbopt.Adam, lr=...)` builds
+    a `FunctionalOptimizer`, while `cbopt.functional.FunctionalOptimizer` (and the rest of the module) stays reachable
+    under the same name, as optax keeps its transforms beside its `chain`."""
+    def __call__(self, *args, **kwargs) -> FunctionalOptimizer: return functional(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from .chain import cached, cb_name, unwrap, zeros
+from ..core.chain import cached, cb_name, unwrap, zeros
 
 __all__ = ['kahan', 'kahan_chain']
 

@@ -1,18 +1,7 @@
-"""Named state: state_dicts in torch's layout and keyed by param names, and strict, atomic loading that matches
-params by name.
-
-`opt.state_dict()` is torch's layout, so every torch tool (DCP's `get_state_dict`, ZeroRedundancyOptimizer, ...)
-reads it: `{'state': {id: {key: value}}, 'param_groups': [{**hypers, 'chain': name, 'param_names': [fqn, ...],
-'params': [id, ...]}]}`, ids counting params in `param_groups` order. `opt.named_state_dict()` is the same keyed by
-the fully qualified param names (FQNs): `{'state': {fqn: ...}, 'param_groups': [{..., 'params': [fqn, ...]}]}`
-(torchrec's KeyedOptimizer layout). `chain` names the callbacks the group ran, so another algorithm's checkpoint is
-refused. Both hold only tensors, numbers, strings, lists and dicts, so `torch.load(..., weights_only=True)` reads them.
-
-`prepare_load` reads either, torch.optim's and fastai's (`formats`), matches the checkpoint's params to this
+"""Strict, atomic loading: `prepare_load` reads any supported checkpoint (`formats`), matches its params to the
 optimizer's by name wherever both sides have names (so a checkpoint loads across another grouping or order), by
 position otherwise (as torch does), checks everything, and builds the new state aside, so a failed load changes
-nothing.
-"""
+nothing."""
 from __future__ import annotations
 
 import inspect
@@ -23,165 +12,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..chain import (chain_counters, chain_defaults, chain_name, chain_reads, flat_model_keys, flat_size, init_chain_state,
+from ..core.chain import (chain_counters, chain_defaults, chain_name, chain_reads, flat_model_keys, flat_size, init_chain_state,
                      is_declared, model_param_state, param_chain, run_chain, transient_keys, unwrap)
-from ..engine.runtime import user_stacklevel
-from ..hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
-from .flags import split_flags
+from ..core.runtime import user_stacklevel
+from ..core.hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
+from ..core.flags import split_flags
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
                       chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_entries, torch_model_state,
                       torch_state, torch_state_names)
-from .names import canonical_names, is_positional
+from ..core.names import canonical_names, is_positional
+
+from ..core.initial import chain_initial_state, initial_state
+from .save import _copied
+from .torch_format import _same_value
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
-__all__ = ['initial_state', 'chain_initial_state', 'named_state_dict', 'torch_state_dict', 'torch_class_state_dict',
-           'prepare_load']
+__all__ = ['prepare_load']
 
 
-def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
-    """The state `group`'s chain keeps for `p` before its first step (see `chain_initial_state`), with `p`'s flags."""
-    return chain_initial_state(group['cbs'], p, Hypers(group), split_flags(opt.state.get(p, {}))[1])
-
-
-def chain_initial_state(cbs: list, p: Any, hyper: Mapping, flags: Mapping | None = None) -> dict:
-    """The state a chain keeps for `p` (a param or a stand-in): as declared by its callbacks (the values before a
-    first step), or, for a chain with an undeclared (fastai-style) callback, what a first step with a zero grad
-    creates, computed on a copy of `p`."""
-    if is_declared(cbs): return init_chain_state(cbs, p)
-    model = init_chain_state([cb for cb in cbs if cb not in param_chain(cbs)], p)  # whole-model callbacks declare theirs
-    cbs = param_chain(cbs)
-    with torch.no_grad():
-        q = p.detach().clone()
-        q.grad = torch.zeros_like(q)
-        st = dict(flags or {})
-        run_chain(cbs, q, st, hyper)
-    return {**{k: v for k, v in split_flags(st)[0].items() if k not in transient_keys(cbs)}, **model}
-
-
-def named_state_dict(opt: Optimizer) -> dict:
-    """The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params. A snapshot: its
-    tensors are copies, so a checkpoint kept in memory does not change as training goes on (torch's aliases the live
-    state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
-    earlier step's count)."""
-    state = {}
-    for g in opt.param_groups:
-        counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
-        for name, p in zip(g['param_names'], g['params']):
-            if s := opt.state.get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
-    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
-               'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
-    return {'state': state, 'param_groups': groups}
-
-
-def _snapshot(v: Any, counter: type | None = None) -> Any:
-    "A state value as a checkpoint holds it: a tensor copied, a counter (`chain_counters`: its type) as a Python number."
-    if isinstance(v, torch.Tensor): return counter(v.item()) if counter is not None else v.detach().clone()
-    return _plain(v)
-
-
-def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
-    """The state_dict torch.optim's class `cls` would save for this optimizer: torch's layout (as `torch_state_dict`)
-    with torch's state names (`cb.torch_state`) and the group entries of `cls`'s signature (`betas`, `weight_decay`,
-    its flags from the chain, `foreach`/`fused` from the backend), so `cls(params).load_state_dict(...)` steps on as
-    this optimizer would. What `cls` cannot hold is refused, naming the group or param: state with no torch name (another
-    algorithm), a flag or a decay `cls` does not have, a hyper it has no entry for (unless at its callback's default,
-    which changes nothing), fastai's `do_wd=False`. Whole-model callbacks (clipping...) are not torch.optim's: their
-    entries are left out, but for those torch keeps under a group's first param (`cb.torch_model_state`: LBFGS's)."""
-    what = f"torch.optim.{cls.__name__}"
-    base = torch_state_dict(opt)
-    state, groups = {}, []
-    for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
-        cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
-        where = f"param group {i} (chain [{chain_name(cbs)}])"
-        groups.append({**_torch_group(where, cls, cbs, hyper, opt.backend),
-                       'param_names': saved['param_names'], 'params': saved['params']})
-        names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
-        extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
-        for pid, name in zip(saved['params'], saved['param_names']):
-            algo, flags = split_flags(base['state'].get(pid, {}))
-            if flags.get('do_wd') is False and _nonzero(hyper.get('wd', 0)):
-                raise ValueError(f"param {name!r} ({where}) is not decayed (fastai's do_wd=False), which {what} cannot "
-                                 f"say: its weight_decay applies to every param of a group (put {name!r} in a group with wd=0)")
-            algo = {k: v for k, v in algo.items() if not is_model_entry(k)}
-            if not algo: continue
-            for k in algo:
-                if k not in names:
-                    raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
-                                     f"{what}'s algorithm")
-            out = {names[k]: float(v) if k == 'step' else v for k, v in algo.items()}  # torch makes its step a tensor
-            if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
-                raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "
-                                 f"chain does not count steps (cbopt.optim.{cls.__name__} does)")
-            for f in extras: out.update(f(**{**algo, **hyper}))
-            state[pid] = out
-        if saved['params'] and (model := torch_model_entries(saved, cbs)):  # LBFGS's history: under the first param
-            state[saved['params'][0]] = {**state.get(saved['params'][0], {}), **model}
-    return {'state': state, 'param_groups': groups}
-
-
-def _nonzero(v: Any) -> bool: return bool(float(v))
-
-
-def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
-    """One group's entries as torch's class `cls` saves them: its constructor's arguments (at their defaults where the
-    chain does not say) and the flags it fixes (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
-    names, flags, reads = torch_hyper_names(cbs), chain_flags(cbs), chain_reads(cbs)
-    what, fixed = f"torch.optim.{cls.__name__}", TORCH_FIXED_FLAGS.get(cls.__name__, {})
-    sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
-    out, used = {}, set()
-    for k, default in {**sig, **fixed}.items():
-        canon = names.get(k)
-        parts = canon if isinstance(canon, tuple) else (canon,)  # (None: no hyper of cbopt's)
-        if k in fixed: out[k] = default
-        elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
-        elif all(c in hyper for c in parts):
-            out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
-            used.update(parts)
-        elif k == 'foreach': out[k] = {'foreach': True, 'loop': False}.get(backend, default)
-        elif k == 'fused': out[k] = True if backend == 'fused' else default
-        else: out[k] = default  # (capturable, differentiable; dampening where the chain has none)
-    if 'initial_lr' in hyper: out['initial_lr'] = hyper['initial_lr']
-    wd = hyper.get('wd', 0)
-    if 'wd' in reads and _nonzero(wd):
-        ours = 'decoupled_weight_decay' in flags
-        theirs = out['decoupled_weight_decay'] if 'decoupled_weight_decay' in out else cls.__name__ in TORCH_DECOUPLED
-        if ours != theirs:
-            raise ValueError(f"{where} decays the weights {'decoupled' if ours else 'by L2'} (wd={wd}), {what} "
-                             f"{'decoupled' if theirs else 'by L2'}: its weight_decay would mean another decay")
-    for f in sorted(flags - set(out) - {'decoupled_weight_decay'}):
-        raise ValueError(f"{where} runs with {f}=True, which {what} does not take")
-    defaults = chain_defaults(cbs)
-    for k, v in hyper.items():
-        if k in reads and k not in used and k != 'initial_lr' and not (k in defaults and _same_value(v, defaults[k])):
-            raise ValueError(f"{where} has the hyper {k}={v!r}, which {what} has no entry for: it would be lost")
-    return out
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    "Whether hyper value `a` is the default `b`: a 1-element tensor (a tensor lr or beta) by its value."
-    a, b = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in (a, b))
-    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
-
-
-def _copied(v: Any) -> Any:
-    "`v` with its tensors copied, in lists too (whole-model state such as LBFGS's history): a snapshot, not an alias."
-    if isinstance(v, torch.Tensor): return v.detach().clone()
-    if isinstance(v, (list, tuple)): return type(v)(_copied(o) for o in v)
-    return v
-
-
-def torch_state_dict(opt: Optimizer) -> dict:
-    """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
-    `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
-    named = named_state_dict(opt)
-    ids = {n: i for i, n in enumerate(opt.param_names)}
-    groups = [{**{k: v for k, v in g.items() if k != 'params'}, 'param_names': g['params'],
-               'params': [ids[n] for n in g['params']]} for g in named['param_groups']]
-    return {'state': {ids[n]: s for n, s in named['state'].items()}, 'param_groups': groups}
-
-
-# -- strict, atomic loading --------------------------------------------------------------------------------------
 def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
     """The checkpoint's param for each of `opt`'s params (in `opt.params` order), each with the index of the
     checkpoint group it was saved in. By name when both sides name their params (wrapper prefixes removed: `names`),

@@ -21,10 +21,10 @@ import torch
 
 from fastcore.foundation import L
 
-from .chain import chain_name, chain_reads
-from .engine import Backend
-from .hypers import ALIASES, Hypers
-from .optimizer import Optimizer
+from ..core.chain import chain_name, chain_reads
+from ..engine import Backend
+from ..core.hypers import ALIASES, Hypers
+from ..optimizer import Optimizer
 
 __all__ = ['CombinedOptimizer', 'prepend_opt_key']
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from functools import partial
 
-from .callbacks import average_grad, average_sqr_grad, l2_reg, step_stat, weight_decay
-from .modern_callbacks import (adam_normalize_grad, adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg,
+from ..callbacks.fastai import average_grad, average_sqr_grad, l2_reg, step_stat, weight_decay
+from ..callbacks.modern import (adam_normalize_grad, adan_avgs, adan_step, ademamix_step, debiased_avgs, lion_avg,
                                lion_step, proximal_decay, schedule_free_step, schedule_free_weight, slow_grad_avg,
                                stable_adamw_step, stable_decay, stable_lr)
-from .hypers import torch_keywords
-from .optimizer import Optimizer
-from .kahan import kahan_chain
-from .optimizers import _decay, maximizing
+from ..core.hypers import torch_keywords
+from ..optimizer import Optimizer
+from ..callbacks.compensated import kahan_chain
+from .fastai import _decay, maximizing
 
 __all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW', 'ScheduleFreeSGD', 'ScheduleFreeAdamW']
 

@@ -17,11 +17,10 @@ import math
 
 import torch
 
-from .chain import zeros
-from .dtensor import across_shards, any_across_shards, global_value, layout_key, local
-from .warmup import WarmupSchedule
+from ..core.chain import zeros
+from ..core.dtensor import across_shards, any_across_shards, global_value, layout_key, local
 
-__all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads', 'warmup']
+__all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads']
 
 
 def _torch_order(params: list) -> list:
@@ -147,14 +146,3 @@ accumulate_grads.scope = 'model'
 accumulate_grads.defaults = dict(every=1)
 accumulate_grads.state = dict(micro_step=0)
 accumulate_grads.param_state = dict(grad_sum=zeros)
-
-
-def warmup(params, groups, schedule: WarmupSchedule, lr_param='lr', iter=0, **kwargs):
-    """torchrec's warmup: the step counted `iter` (0 first) runs with each group's `lr_param` times the schedule's
-    multiplier at `iter`. The group's own value stays the base (what schedulers and fastai set), so they compose
-    multiplicatively; the lr used is in `opt.step_stats['lr']`."""
-    m = schedule.multiplier(iter)
-    return {'hypers': [{lr_param: g[lr_param] * m} for g in groups], 'iter': iter + 1, 'lr_multiplier': m}
-warmup.scope = 'model'
-warmup.state = dict(iter=0)
-warmup.transient = ('lr_multiplier',)

@@ -7,14 +7,14 @@ from functools import partial
 from itertools import product
 from typing import Any
 
-from .callbacks import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step,
+from ..callbacks.fastai import (adam_step, amsgrad_max, average_grad, average_sqr_grad, dampened_grad_avg, l2_reg, lamb_step,
                         larc_layer_lr, larc_step, lookahead_keep, lookahead_step, momentum_step, negate_grad, nesterov_step,
                         qhadam_step, radam_step, rms_prop_step, sgd_step, step_stat, weight_decay)
-from .engine import register_kernel
-from .engine.kernels import fused_adam, fused_adamw, fused_sgd
-from .hypers import torch_keywords
-from .kahan import kahan_chain
-from .optimizer import Optimizer, rechain
+from ..engine import register_kernel
+from ..engine.kernels import fused_adam, fused_adamw, fused_sgd
+from ..core.hypers import torch_keywords
+from ..callbacks.compensated import kahan_chain
+from ..optimizer import Optimizer, rechain
 
 __all__ = ['adam_chain', 'sgd_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
            'Lookahead', 'ranger']

@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from .callbacks import debias, rms_prop_step
-from .chain import declared_for, per_tensor, zeros
-from .dtensor import on_whole
+from .fastai import debias, rms_prop_step
+from ..core.chain import declared_for, per_tensor, zeros
+from ..core.dtensor import on_whole
 
 __all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
            'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'muon_momentum', 'newton_schulz',

@@ -13,16 +13,12 @@ backend (loop, foreach, fused, auto) runs the same whole-model code. torch's str
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch.optim.lbfgs import _strong_wolfe
 
-from .hypers import check_hyper
-from .optimizer import Optimizer
-from .params import named_groups
 
-__all__ = ['lbfgs', 'LBFGS']
+__all__ = ['lbfgs', 'LINE_SEARCHES']
 
 LINE_SEARCHES = (None, 'strong_wolfe')
 
@@ -144,23 +140,3 @@ lbfgs.flat_state = ('d', 'old_dirs', 'old_stps', 'prev_flat_grad')  # over the p
 # torch.optim.LBFGS keeps this state under its first param (and its scratch `al`, which cbopt does not keep)
 lbfgs.torch_model_state = {**{k: k for k in lbfgs.state}, 'al': None}
 lbfgs.torch_names = {k: k for k in lbfgs.defaults if k != 'lr'}
-
-
-def LBFGS(params: Any, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eval: int | None = None,
-          tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9, history_size: int = 100,
-          line_search_fn: str | None = None, backend: str = 'auto') -> Optimizer:
-    """torch.optim.LBFGS (its hypers, defaults and numerics): `opt.step(closure)`, where `closure` zeroes the grads,
-    computes the loss, calls `backward()` and returns the loss. One param group, as torch's; `max_eval` defaults to
-    `max_iter * 5 // 4`, stored as torch stores it. A fastai Learner steps without a closure: it gets an error."""
-    if line_search_fn not in LINE_SEARCHES:
-        raise ValueError(f"line_search_fn={line_search_fn!r} is not supported: only None or 'strong_wolfe'")
-    check_hyper('max_iter', max_iter)
-    if max_eval is None: max_eval = max_iter * 5 // 4
-    if isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1:
-        raise ValueError(f"Invalid max_eval value: {max_eval} (expected an int >= 1)")
-    if not isinstance(params, (torch.Tensor, Mapping)): params = list(params)  # (a generator: read once, here)
-    if len(named_groups(params)) > 1: raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
-    opt = Optimizer(params, [lbfgs], lr=lr, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
-                    tolerance_change=tolerance_change, history_size=history_size, line_search_fn=line_search_fn,
-                    backend=backend)
-    return opt

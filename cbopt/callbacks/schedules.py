@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import Enum, unique
 from numbers import Integral, Real
 
-__all__ = ['WarmupPolicy', 'WarmupStage', 'GradientClipping', 'WarmupSchedule', 'warmup_multiplier']
+__all__ = ['WarmupPolicy', 'WarmupStage', 'GradientClipping', 'WarmupSchedule', 'warmup_multiplier', 'warmup']
 
 
 @unique
@@ -173,3 +173,14 @@ class WarmupSchedule:
 def warmup_multiplier(stages: Sequence[WarmupStage], t: int) -> float:
     "The lr multiplier of `stages` at global step t (validating the stages on every call; keep a `WarmupSchedule`)."
     return WarmupSchedule(stages).multiplier(t)
+
+
+def warmup(params, groups, schedule: WarmupSchedule, lr_param='lr', iter=0, **kwargs):
+    """torchrec's warmup: the step counted `iter` (0 first) runs with each group's `lr_param` times the schedule's
+    multiplier at `iter`. The group's own value stays the base (what schedulers and fastai set), so they compose
+    multiplicatively; the lr used is in `opt.step_stats['lr']`."""
+    m = schedule.multiplier(iter)
+    return {'hypers': [{lr_param: g[lr_param] * m} for g in groups], 'iter': iter + 1, 'lr_multiplier': m}
+warmup.scope = 'model'
+warmup.state = dict(iter=0)
+warmup.transient = ('lr_multiplier',)

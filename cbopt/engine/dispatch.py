@@ -1,0 +1,77 @@
+"""Bucket dispatch: the per-param chains over every param with a grad, bucket by bucket, through the optimizer's
+backend's runner (`RUNNERS`), with torch's fused kernel taking the grad scales where one steps the bucket; and the
+grad checks that make a step all or nothing."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ..core.chain import chain_name, param_chain
+from . import buckets as bucketing
+from .auto import auto_bucket
+from .buckets import Bucket, as_real
+from .compiled import fused_bucket
+from .foreach import foreach_bucket, loop_bucket
+from .kernels import torch_kernel
+from .scaling import scale_grads, unscale_grads
+
+__all__ = ['RUNNERS', 'check_grads', 'run_buckets']
+
+
+def _fused(opt, b: Bucket, hyper: Mapping) -> None:
+    if (kernel := torch_kernel(b, hyper)) is not None: return kernel()
+    fused_bucket(opt, b, hyper)
+
+
+RUNNERS: dict[str, Callable] = {'loop': loop_bucket, 'foreach': foreach_bucket, 'fused': _fused, 'auto': auto_bucket}
+
+
+def check_grads(opt) -> None:
+    """Before anything changes, refuse what no chain can step: a grad of another shape than its param, a grad that
+    is not a floating-point tensor of the param's kind, a sparse grad (no cbopt callback supports one, as torch's Adam
+    does not). The error names the param, and nothing is stepped: a step is all or nothing. Without whole-model
+    callbacks it is called only when bucketing (which reads every grad anyway) meets an odd grad, so that a normal step
+    pays for one more test per param, not another pass."""
+    for g in opt.param_groups:
+        for name, p in zip(g['param_names'], g['params']):
+            grad = p.grad
+            if grad is None: continue
+            if grad.is_sparse:
+                raise RuntimeError(f"param {name!r} has a sparse gradient, which the chain [{chain_name(g['cbs'])}] does "
+                                   "not support (densify it with grad.to_dense(), or use torch.optim.SparseAdam)")
+            if grad.shape != p.shape:
+                raise RuntimeError(f"param {name!r} has shape {tuple(p.shape)} but its grad has shape {tuple(grad.shape)}")
+            if grad.dtype.is_floating_point != p.dtype.is_floating_point or grad.is_complex() != p.is_complex():
+                raise TypeError(f"param {name!r} has dtype {p.dtype} but its grad has dtype {grad.dtype}")
+
+
+def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None,
+                 loss_scale: torch.Tensor | None = None) -> None:
+    """The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads).
+    `scales` (id(group) -> (0-d tensor, in_place), from `clip_grad_norm`) multiply those groups' grads: inside torch's
+    fused kernel where one steps the bucket (`fused`, `auto`; in place: the kernel's own `grad_scale`, which writes the
+    clipped grads into them), on scaled copies of the bucket's grads otherwise (in place: one `_foreach_mul_`).
+    `loss_scale` (GradScaler's) divides every grad, in place: inside torch's kernel, else just before the chain; it
+    never reaches the loop backend, which does not claim GradScaler's protocol (`_step_supports_amp_scaling`)."""
+    kind, scales = opt.backend_options.kind, scales or {}
+    if not any(param_chain(g['cbs']) for g in opt.param_groups): return  # only whole-model callbacks (lbfgs)
+    if kind == 'loop':  # the reference needs no bucketing: one call per group
+        todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
+        if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
+        for g, ps in todo:
+            if not ps: continue
+            if id(g) in scales: scale_grads(ps, *scales[id(g)])
+            with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
+        return
+    run = RUNNERS[kind]
+    for b in bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None):
+        hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
+        with as_real(b) as b:  # complex params step as torch's do: on their real views
+            if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
+                if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
+                    kernel()
+                    continue
+            if loss_scale is not None: unscale_grads(b.params, loss_scale)
+            if scale is not None: scale_grads(b.params, scale, in_place)
+            run(opt, b, hyper)

@@ -1,0 +1,245 @@
+"""Flat runs for compiled elementwise chains: params as flat 1-D aliases in runs of `compile_chunk` (`flat_chunks`,
+the last padded with scratch params: one graph whatever the shapes), small params packed into one (`Pack`), the
+aliases kept between steps (`flat_inputs`); other chains in chunks of one shape (`shape_chunks`)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..core.chain import chain_scope
+from .buckets import Bucket
+
+__all__ = ['shape_chunks', 'flat_chunks', 'padding', 'can_flatten', 'flat_alias', 'Pack', 'FlatInputs', 'flat_inputs',
+           'release_grads']
+
+
+def shape_chunks(shapes: list[tuple], chunk: int) -> list[list[int]]:
+    """Indices of same-shape params, in chunks of at most `chunk`. Same shapes let inductor step a whole chunk in one
+    loop; a size from chunk/2 to chunk that divides a shape's count (1000 params: 40 chunks of 25) spares the compile
+    of a remainder chunk. With dynamic shapes, chunks of the same rank and length share one compiled graph."""
+    groups: dict = {}
+    for i, s in enumerate(shapes): groups.setdefault(s, []).append(i)
+    out = []
+    for idx in groups.values():
+        k = next((k for k in range(chunk, chunk // 2 - 1, -1) if len(idx) % k == 0), chunk)
+        out += [idx[j:j + k] for j in range(0, len(idx), k)]
+    return out
+
+
+def flat_chunks(n: int, chunk: int) -> list[list[int]]:
+    """Indices `0..n-1` in runs of `chunk`, the last one shorter (`compiled_bucket` pads it to the others' length):
+    for flat params, whose sizes are all symbolic, one graph serves every run of a length."""
+    return [list(range(j, min(j + chunk, n))) for j in range(0, n, chunk)]
+
+
+PAD_NUMEL = 2  # the smallest size dynamo keeps symbolic (it specialises 0 and 1)
+
+
+def padding(p: torch.Tensor, tstate: Mapping, n: int) -> tuple[list, list]:
+    """`n` scratch stand-ins for the flat param `p` (with its grad) and its state `tstate`, of `PAD_NUMEL` elements
+    each (an entry that is not param-shaped is cloned): they fill a short last run up to the length of the others, so
+    that it calls their graph instead of compiling one more. What the chain computes on them is dropped."""
+    scratch = lambda v: v.new_zeros(PAD_NUMEL) if v.shape == p.shape else v.clone()
+    params, tstates = [], []
+    for _ in range(n):
+        q = scratch(p)
+        q.grad = scratch(p.grad)
+        params.append(q)
+        tstates.append({k: scratch(v) for k, v in tstate.items()})
+    return params, tstates
+
+
+def can_flatten(b: Bucket) -> bool:
+    """Whether `b`'s chain may step flat aliases of its params: it is elementwise (declared), and every param, grad and
+    param-shaped state tensor is contiguous, so that a flat alias is all of its memory."""
+    if chain_scope(b.cbs) != 'element': return False
+    return all(p.is_contiguous() and p.grad.is_contiguous()
+               and all(v.is_contiguous() for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+               for p, st in zip(b.params, b.states))
+
+
+def flat_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory as a 1-D tensor. Not a view (`.view(-1)` is one): dynamo would guard on the shape of its base, and
+    compile a graph per rank again."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),))
+
+
+def _same_memory(alias: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `alias`, a flat alias kept from an earlier step, is still all of `t`'s memory. It holds its memory
+    alive, so no other allocation can start at its address: the same address, size and dtype is the same memory."""
+    return (alias.data_ptr() == t.data_ptr() and alias.numel() == t.numel() and alias.dtype == t.dtype
+            and alias.device == t.device)
+
+
+PACK_NUMEL = 1 << 14  # params of at most this many elements step packed together (`Pack`)
+
+
+class Pack:
+    """Small params of a bucket stepped as one flat param: their params and param-shaped state copied into buffers
+    of their total size (kept between steps while the same params are packed), their grads into one tensor, and the
+    results copied back after the compiled call. A compiled call costs dynamo, AOT and inductor about 0.3 ms of
+    Python whatever its params' sizes, and a model's biases and norms are most of its tensors (98 of GPT-2's 148):
+    packed, they fill one place of a run instead of 98, for about as many bytes copied as they hold. Elementwise, so
+    each element's numbers are those of the param stepped alone."""
+    def __init__(self, members: list[int], qs: list, tstates: list, shared: tuple = ()):
+        self.members = members  # the bucket's indices of the packed params (`qs`: their flat aliases)
+        self.sizes = [q.numel() for q in qs]
+        self.shared = shared  # 0-d entries, one value for every member (`_one_value`): the pack's own 0-d entry
+        self.keys = tuple(k for k in tstates[0] if k not in shared)
+        self.param = qs[0].new_empty(sum(self.sizes))
+        self.state = {k: tstates[0][k].new_empty(len(self.param)) for k in self.keys}
+        self.views = {k: buf.split(self.sizes) for k, buf in (('param', self.param), *self.state.items())}
+
+    def fits(self, members: list[int], qs: list, tstates: list, shared: tuple = ()) -> bool:
+        "Whether this pack's buffers serve these small params (the same sizes, state keys and dtypes)."
+        return (members == self.members and [q.numel() for q in qs] == self.sizes and shared == self.shared
+                and tuple(k for k in tstates[0] if k not in shared) == self.keys
+                and all(ts[k].dtype == v.dtype for ts in tstates for k, v in self.state.items()))
+
+    def gather(self, qs: list, tstates: list, grads: list) -> tuple[torch.Tensor, dict]:
+        "The packed param (its grad the packed grads) and state, filled from the params' flat aliases `qs`."
+        self.qs, self.tstates = qs, tstates  # (where `scatter` writes back)
+        torch.cat(qs, out=self.param)
+        for k, buf in self.state.items(): torch.cat([ts[k] for ts in tstates], out=buf)
+        self.param.grad = torch._utils._flatten_dense_tensors(grads)
+        self.values = {k: tstates[0][k].clone() for k in self.shared}
+        return self.param, {**self.state, **self.values}
+
+    def scatter(self, b: Bucket, new_t: Mapping) -> None:
+        """The results back into each param and its state; an entry the chain rebound (`new_t`) gives each param its
+        own part of it (a copy: no param's state holds another's memory alive), a shared 0-d entry its value (an
+        element each of one new buffer)."""
+        torch._foreach_copy_(self.qs, self.views['param'])
+        for k in self.keys:
+            if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], self.views[k])
+        for k in self.shared:
+            if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
+        for k, v in new_t.items():  # (a shared 0-d entry the chain made param-shaped is split as any other)
+            if v.shape == self.param.shape:
+                for i, part in zip(self.members, v.split(self.sizes)): b.states[i][k] = part.view(b.params[i].shape).clone()
+            else:  # a 0-d value each, in one allocation (98 clones cost 3 times as much)
+                for i, part in zip(self.members, v.expand(len(self.members)).clone().unbind()): b.states[i][k] = part
+
+
+def _one_value(ts: list) -> bool:
+    """Whether the 0-d tensors `ts` hold one value, bit for bit: then one param stepped with it computes what each
+    would alone. Read on CPU only (elsewhere the read would wait for the device)."""
+    if ts[0].device.type != 'cpu' or any(t.dtype != ts[0].dtype for t in ts): return False
+    bits = torch.stack(ts).view(torch.uint8).view(len(ts), -1)
+    return bool((bits == bits[0]).all())
+
+
+def _shared_keys(b: Bucket, small: list[int]) -> tuple | None:
+    """The 0-d state entries of the small params `small` (NAdam's `mu_product`, schedule-free's `weight_sum`), if they
+    can step packed: the same keys for each, each one value (`_one_value`); None if they cannot."""
+    per = [tuple(k for k, v in b.states[i].items() if isinstance(v, torch.Tensor) and v.shape != b.params[i].shape)
+           for i in small]
+    if any(keys != per[0] for keys in per): return None
+    ok = all(b.states[i][k].ndim == 0 for i in small for k in per[0])
+    return per[0] if ok and all(_one_value([b.states[i][k] for i in small]) for k in per[0]) else None
+
+
+def _kept_alias(old: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    return old if old is not None and _same_memory(old, t) else flat_alias(t)
+
+
+class FlatInputs:
+    """`b`'s params as the compiled elementwise chain steps them (`flat_inputs`), made for a layout of memory:
+    `params`, the flat params (flat aliases, new tensors that do not require grad whatever the params do, whose
+    `.grad` is a flat alias of the grad, given at each step by `for_step`), `states`, their tensor state
+    (param-shaped entries as flat aliases), `members`, the bucket indices each stands for, and `pack`, the `Pack` of
+    the small params, if any (first). Kept in the bucket's plan (`Bucket.known`) while it holds, and used again while
+    the params and their param-shaped state keep their memory (`current`: one list of addresses, where checking each
+    kept alias cost about 3 ms a step on GPT-2's 148 params, 5 with NAdam's state)."""
+    def __init__(self, b: Bucket, qs: list, tstates: list, pack: Pack | None):
+        self.qs, self.tstates, self.pack = qs, tstates, pack
+        packed = set(pack.members) if pack else set()
+        self.rest = [i for i in range(len(qs)) if i not in packed]
+        first = [(pack.param, None, pack.members)] if pack else []  # (the pack's state: `for_step`; its own members
+        self.params = [q for q, _, _ in first] + [qs[i] for i in self.rest]  # list: `_compiled_runs` knows it by it)
+        self.states = [s for _, s, _ in first] + [tstates[i] for i in self.rest]
+        self.members = [m for _, _, m in first] + [[i] for i in self.rest]
+        entries = [(st, k, ts, v.shape == p.shape) for p, st, ts in zip(b.params, b.states, tstates)
+                   for k, v in st.items() if isinstance(v, torch.Tensor)]
+        self.aliased = [st for st, _, _, flat in entries if flat], [k for _, k, _, flat in entries if flat]
+        self.as_they_are = [(ts, st, k) for st, k, ts, flat in entries if not flat]  # (0-d entries: read at each step)
+        self.addresses = self._addresses(b)
+        self.scratch = None  # a short last run's padding (`padding`), made once
+
+    def _addresses(self, b: Bucket) -> list[int]:
+        "Where the params and their param-shaped state entries are now (under the plan: of the same metadata)."
+        ptr = torch.Tensor.data_ptr
+        return [*map(ptr, b.params), *map(ptr, map(dict.__getitem__, *self.aliased))]
+
+    def current(self, b: Bucket) -> bool:
+        """Whether the aliases are still all of the memory of `b`'s params and param-shaped state, with the plan
+        holding (the same params, state dicts, keys, shapes, strides and dtypes): the same addresses. An alias holds
+        its memory alive, so no other allocation can start at its address."""
+        return self._addresses(b) == self.addresses
+
+    def for_step(self, b: Bucket, fresh: bool = False) -> FlatInputs | None:
+        """These inputs, with this step's grads and the state entries passed as they are (0-d) read again, the small
+        params gathered into the pack; None if the pack's shared 0-d entries no longer hold one value each (the user
+        changed one: `_one_value`), checked unless `fresh` (just checked)."""
+        for ts, st, k in self.as_they_are: ts[k] = st[k]
+        pack = self.pack
+        if pack is not None:
+            if not fresh and not all(_one_value([b.states[i][k] for i in pack.members]) for k in pack.shared): return None
+            self.params[0], self.states[0] = pack.gather([self.qs[i] for i in pack.members],
+                                                         [self.tstates[i] for i in pack.members],
+                                                         [b.params[i].grad for i in pack.members])
+        for i in self.rest: self.qs[i].grad = flat_alias(b.params[i].grad)
+        return self
+
+    def padding(self, n: int) -> tuple[list, list]:
+        "`padding` for the last flat param, made once (what the chain computes on it is dropped)."
+        if self.scratch is None or len(self.scratch[0]) != n: self.scratch = padding(self.params[-1], self.states[-1], n)
+        return self.scratch
+
+
+def flat_inputs(b: Bucket, kept: dict) -> FlatInputs | None:
+    """`b`'s params as the compiled elementwise chain steps them, None if it cannot (`can_flatten`): the `FlatInputs`
+    its plan kept (`Bucket.known`) if `current` (the plan holding, the layout `can_flatten` read holds), else made
+    again. Making the aliases cost more than the compiled calls'
+    own work on small params (about 6 us each, every step), so those of the params and their state are also kept in
+    `kept` (id(param) -> (alias, state)) between steps and made again only for a tensor that is not the one aliased
+    any more (`_same_memory`: after `p.data = ...`, a loaded state, an entry a callback rebound): a replaced tensor's
+    memory is held until the next step of its bucket. Grads get fresh aliases every step, dropped after it
+    (`release_grads`): zero_grad frees them, and a kept alias would keep them alive."""
+    known = b.known  # (None for a bucket made for one step)
+    kept_inputs = None if known is None else known.get('flat_inputs')
+    if kept_inputs is not None and kept_inputs.current(b) and (inputs := kept_inputs.for_step(b)) is not None:
+        return inputs
+    if not can_flatten(b): return None
+    qs, tstates, now = [], [], {}
+    for p, st in zip(b.params, b.states):
+        q, old = kept.get(id(p), (None, {}))
+        q = _kept_alias(q, p)
+        ts = {k: _kept_alias(old.get(k), v) if v.shape == p.shape else v
+              for k, v in st.items() if isinstance(v, torch.Tensor)}
+        qs.append(q)
+        tstates.append(ts)
+        now[id(p)] = (q, ts)
+    # small params whose tensor state is param-shaped or 0-d with one value for all (`_shared_keys`), of one dtype a key
+    small = [i for i, p in enumerate(b.params) if p.numel() <= PACK_NUMEL]
+    dtypes = {k: v.dtype for k, v in tstates[small[0]].items()} if small else {}
+    if any(tstates[i][k].dtype != d for i in small for k, d in dtypes.items()): small = []
+    shared = _shared_keys(b, small) if len(small) > 1 else ()
+    if shared is None: small = []
+    pack = kept.get('pack')
+    if len(small) > 1:
+        sq, sts = [qs[i] for i in small], [tstates[i] for i in small]
+        if pack is None or not pack.fits(small, sq, sts, shared): pack = Pack(small, sq, sts, shared)
+        now['pack'] = pack
+    else: pack = None
+    kept.clear()  # (only this step's params: one that left the bucket is not held)
+    kept.update(now)
+    inputs = FlatInputs(b, qs, tstates, pack)
+    if known is not None: known['flat_inputs'] = inputs
+    return inputs.for_step(b, fresh=True)
+
+
+def release_grads(params: list) -> None:
+    "Drop the grad aliases of kept flat params (`flat_inputs`): they would keep the grads alive until the next step."
+    for q in params: q.grad = None

@@ -1,0 +1,74 @@
+"""A step's entry: eager (GradScaler's skip, the grad checks, the whole-model stage or the buckets alone) or traced
+into the caller's graph under an outer `torch.compile` (`traced`)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..core.chain import cb_name
+from ..core.hypers import Hypers
+from . import traced
+from .dispatch import check_grads, run_buckets
+from .model_stage import init_model_state, model_plan, run_model_step, uses_closure
+from .scaling import unscale_grads
+
+__all__ = ['run_step']
+
+
+def run_step(opt, closure: Callable | None = None, loss=None) -> None:
+    """Step every param of `opt` that has a grad, bucket by bucket, with `opt`'s backend, between the whole-model
+    callbacks (see the module docstring); then refresh `opt.step_stats`. `closure` and `loss` (what `opt.step(closure)`
+    got from its first call) go to the whole-model callbacks that re-evaluate the model (`uses_closure`, as `lbfgs`):
+    after such a step each param holds the grad of the closure's last evaluation, as with torch.optim.LBFGS.
+
+    Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) the
+    step is traced into the caller's graph (`traced`), or, where it cannot be (`traced.can_trace`), runs eagerly: one
+    graph break."""
+    if torch.compiler.is_compiling() and closure is None and traced.can_trace(opt): return traced.traced_step(opt)
+    _eager_step(opt, closure, loss)
+
+
+@torch._dynamo.disable(reason="cbopt's step runs eagerly here: its chain has a whole-model callback, GradScaler's inf "
+                        "check or a closure, its params are DTensors, or a callback reads a Python value of a tensor "
+                        "(see cbopt.engine.traced)")
+def _eager_step(opt, closure: Callable | None = None, loss=None) -> None:
+    "`run_step` in eager mode (the engine's counters as Python numbers: `traced.counters_as_numbers`)."
+    with traced.counters_as_numbers(opt): _eager_run(opt, closure, loss)
+
+
+def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
+    for i, g in enumerate(opt.param_groups):  # schedule-free's rule: a group in eval mode must not step
+        if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
+            raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "
+                               "opt.train() before opt.step(), and opt.eval() before evaluating or saving")
+    found_inf, loss_scale = getattr(opt, 'found_inf', None), getattr(opt, 'grad_scale', None)  # GradScaler's
+    if found_inf is not None and bool(found_inf):  # (one sync: step counts are Python ints)
+        opt.step_stats = {'lr': [Hypers(g).snapshot().get('lr') for g in opt.param_groups], 'skipped': True,
+                          'skipped_by': 'GradScaler'}
+        return
+    plan = model_plan(opt.param_groups)
+    if not (plan[0] or plan[1]):
+        snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
+        run_buckets(opt, snapshots, check=True, loss_scale=loss_scale)
+        opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
+        return
+    evaluating = [cb_name(cb) for cb, _ in [*plan[0], *plan[1]] if uses_closure(cb)]
+    if evaluating and closure is None:
+        raise RuntimeError(f"{evaluating[0]} re-evaluates the model several times per step: call opt.step(closure), "
+                           "where closure() zeroes the grads, computes the loss, calls backward() and returns the loss "
+                           "(a fastai Learner steps without a closure)")
+    check_grads(opt)  # before the whole-model callbacks change anything
+    if loss_scale is not None:  # whole-model callbacks read unscaled grads: unscale them first, as scaler.unscale_ does
+        unscale_grads([p for g in opt.param_groups for p in g['params'] if p.grad is not None], loss_scale)
+    init_model_state(opt, plan)
+    user_grads = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
+
+    def reevaluate():
+        "The closure, with grad enabled; its grads are the user's from now on (the last evaluation's stay)."
+        with torch.enable_grad(): out = closure()
+        user_grads[:] = [(p, p.grad) for g in opt.param_groups for p in g['params'] if p.grad is not None]
+        return out
+    try: run_model_step(opt, plan, dict(closure=reevaluate, loss=loss) if evaluating else None)
+    finally:  # the grad contract: whole-model callbacks rebind grads out of place; each param gets its own back
+        for p, grad in user_grads: p.grad = grad

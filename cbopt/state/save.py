@@ -1,0 +1,54 @@
+"""Saving: an optimizer's state as a snapshot keyed by param names (`named_state_dict`, torchrec's KeyedOptimizer
+layout) or by integer ids in torch's layout (`torch_state_dict`, what DCP, ZeRO and other torch tools read). Both
+hold only tensors, numbers, strings, lists and dicts, so `torch.load(..., weights_only=True)` reads them, and
+`chain` names the callbacks each group ran, so another algorithm's checkpoint is refused on load."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.chain import chain_counters, chain_name
+from ..core.hypers import Hypers, _plain, model_entries
+
+if TYPE_CHECKING: from ..optimizer import Optimizer
+
+__all__ = ['named_state_dict', 'torch_state_dict']
+
+
+def named_state_dict(opt: Optimizer) -> dict:
+    """The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params. A snapshot: its
+    tensors are copies, so a checkpoint kept in memory does not change as training goes on (torch's aliases the live
+    state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
+    earlier step's count)."""
+    state = {}
+    for g in opt.param_groups:
+        counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
+        for name, p in zip(g['param_names'], g['params']):
+            if s := opt.state.get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
+    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
+               'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
+    return {'state': state, 'param_groups': groups}
+
+
+def _snapshot(v: Any, counter: type | None = None) -> Any:
+    "A state value as a checkpoint holds it: a tensor copied, a counter (`chain_counters`: its type) as a Python number."
+    if isinstance(v, torch.Tensor): return counter(v.item()) if counter is not None else v.detach().clone()
+    return _plain(v)
+
+
+def _copied(v: Any) -> Any:
+    "`v` with its tensors copied, in lists too (whole-model state such as LBFGS's history): a snapshot, not an alias."
+    if isinstance(v, torch.Tensor): return v.detach().clone()
+    if isinstance(v, (list, tuple)): return type(v)(_copied(o) for o in v)
+    return v
+
+
+def torch_state_dict(opt: Optimizer) -> dict:
+    """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
+    `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
+    named = named_state_dict(opt)
+    ids = {n: i for i, n in enumerate(opt.param_names)}
+    groups = [{**{k: v for k, v in g.items() if k != 'params'}, 'param_names': g['params'],
+               'params': [ids[n] for n in g['params']]} for g in named['param_groups']]
+    return {'state': {ids[n]: s for n, s in named['state'].items()}, 'param_groups': groups}

@@ -1,0 +1,104 @@
+"""Export in a torch.optim class's own format (`opt.state_dict(format=torch.optim.AdamW)`): torch's state and group
+names, its flags, and a clear refusal of whatever that class cannot hold."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core.chain import chain_defaults, chain_name, chain_reads, unwrap
+from ..core.flags import split_flags
+from ..core.hypers import NOT_HYPERS, is_model_entry
+from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, torch_hyper_names,
+                      torch_model_entries, torch_state_names)
+from .save import torch_state_dict
+
+if TYPE_CHECKING: from ..optimizer import Optimizer
+
+__all__ = ['torch_class_state_dict']
+
+
+def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
+    """The state_dict torch.optim's class `cls` would save for this optimizer: torch's layout (as `torch_state_dict`)
+    with torch's state names (`cb.torch_state`) and the group entries of `cls`'s signature (`betas`, `weight_decay`,
+    its flags from the chain, `foreach`/`fused` from the backend), so `cls(params).load_state_dict(...)` steps on as
+    this optimizer would. What `cls` cannot hold is refused, naming the group or param: state with no torch name (another
+    algorithm), a flag or a decay `cls` does not have, a hyper it has no entry for (unless at its callback's default,
+    which changes nothing), fastai's `do_wd=False`. Whole-model callbacks (clipping...) are not torch.optim's: their
+    entries are left out, but for those torch keeps under a group's first param (`cb.torch_model_state`: LBFGS's)."""
+    what = f"torch.optim.{cls.__name__}"
+    base = torch_state_dict(opt)
+    state, groups = {}, []
+    for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
+        cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
+        where = f"param group {i} (chain [{chain_name(cbs)}])"
+        groups.append({**_torch_group(where, cls, cbs, hyper, opt.backend),
+                       'param_names': saved['param_names'], 'params': saved['params']})
+        names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
+        extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
+        for pid, name in zip(saved['params'], saved['param_names']):
+            algo, flags = split_flags(base['state'].get(pid, {}))
+            if flags.get('do_wd') is False and _nonzero(hyper.get('wd', 0)):
+                raise ValueError(f"param {name!r} ({where}) is not decayed (fastai's do_wd=False), which {what} cannot "
+                                 f"say: its weight_decay applies to every param of a group (put {name!r} in a group with wd=0)")
+            algo = {k: v for k, v in algo.items() if not is_model_entry(k)}
+            if not algo: continue
+            for k in algo:
+                if k not in names:
+                    raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
+                                     f"{what}'s algorithm")
+            out = {names[k]: float(v) if k == 'step' else v for k, v in algo.items()}  # torch makes its step a tensor
+            if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
+                raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "
+                                 f"chain does not count steps (cbopt.optim.{cls.__name__} does)")
+            for f in extras: out.update(f(**{**algo, **hyper}))
+            state[pid] = out
+        if saved['params'] and (model := torch_model_entries(saved, cbs)):  # LBFGS's history: under the first param
+            state[saved['params'][0]] = {**state.get(saved['params'][0], {}), **model}
+    return {'state': state, 'param_groups': groups}
+
+
+def _nonzero(v: Any) -> bool: return bool(float(v))
+
+
+def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
+    """One group's entries as torch's class `cls` saves them: its constructor's arguments (at their defaults where the
+    chain does not say) and the flags it fixes (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
+    names, flags, reads = torch_hyper_names(cbs), chain_flags(cbs), chain_reads(cbs)
+    what, fixed = f"torch.optim.{cls.__name__}", TORCH_FIXED_FLAGS.get(cls.__name__, {})
+    sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
+    out, used = {}, set()
+    for k, default in {**sig, **fixed}.items():
+        canon = names.get(k)
+        parts = canon if isinstance(canon, tuple) else (canon,)  # (None: no hyper of cbopt's)
+        if k in fixed: out[k] = default
+        elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
+        elif all(c in hyper for c in parts):
+            out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
+            used.update(parts)
+        elif k == 'foreach': out[k] = {'foreach': True, 'loop': False}.get(backend, default)
+        elif k == 'fused': out[k] = True if backend == 'fused' else default
+        else: out[k] = default  # (capturable, differentiable; dampening where the chain has none)
+    if 'initial_lr' in hyper: out['initial_lr'] = hyper['initial_lr']
+    wd = hyper.get('wd', 0)
+    if 'wd' in reads and _nonzero(wd):
+        ours = 'decoupled_weight_decay' in flags
+        theirs = out['decoupled_weight_decay'] if 'decoupled_weight_decay' in out else cls.__name__ in TORCH_DECOUPLED
+        if ours != theirs:
+            raise ValueError(f"{where} decays the weights {'decoupled' if ours else 'by L2'} (wd={wd}), {what} "
+                             f"{'decoupled' if theirs else 'by L2'}: its weight_decay would mean another decay")
+    for f in sorted(flags - set(out) - {'decoupled_weight_decay'}):
+        raise ValueError(f"{where} runs with {f}=True, which {what} does not take")
+    defaults = chain_defaults(cbs)
+    for k, v in hyper.items():
+        if k in reads and k not in used and k != 'initial_lr' and not (k in defaults and _same_value(v, defaults[k])):
+            raise ValueError(f"{where} has the hyper {k}={v!r}, which {what} has no entry for: it would be lost")
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    "Whether hyper value `a` is the default `b`: a 1-element tensor (a tensor lr or beta) by its value."
+    a, b = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in (a, b))
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
