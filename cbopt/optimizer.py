@@ -312,6 +312,9 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dict(format={fmt!r}): expected 'cbopt', 'torch' or a torch.optim class")
         _run_hooks(self._optimizer_state_dict_pre_hooks, self)
         sd = torch_state_dict(self) if fmt == 'cbopt' else torch_class_state_dict(self, fmt)
+        # entries of `self.state` that are no param's (a pre-hook's `opt.state['x'] = ...`) are saved as they are, as
+        # torch saves them: its post-hooks and loaders see them
+        sd['state'].update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
         return _run_hooks(self._optimizer_state_dict_post_hooks, self, sd)
 
     def named_state_dict(self) -> dict:
@@ -330,10 +333,14 @@ class Optimizer(torch.optim.Optimizer):
         """Check `state_dict` as `load_state_dict` does and build what it loads, changing nothing; returns the commit
         that loads it (nothing in it can fail, the post-hooks aside). For loads that must be all or nothing across several optimizers (a ZeRO
         rank's part: `cbopt.integrations.zero`): check every part, then commit each."""
+        if isinstance(state_dict, dict): state_dict = state_dict.copy()  # shallow, as torch's: a hook may rebind its keys
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         fresh_ok = any(policy(self) for policy in load_policies)
         new_state, new_hypers = prepare_load(self, state_dict, fresh_ok=fresh_ok)
         def commit() -> None:
+            for k in [k for k in self.state if not isinstance(k, torch.Tensor)]: del self.state[k]
+            for k, v in new_state.items():  # the entries that are no param's: the checkpoint's, as torch loads them
+                if not isinstance(k, torch.Tensor): self.state[k] = v
             for p in self.params: self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
             for g, h in zip(self.param_groups, new_hypers): g.update(h)
             engine.forget_state(self)

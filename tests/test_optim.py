@@ -327,6 +327,62 @@ def test_zero_grads_no_grad_params_deepcopy_hooks(name):
     assert_rel_close(m2, ref, 2e-5)
 
 
+def _hooked_runs(cls, params) -> dict:
+    """What the four state_dict hook kinds do with an optimizer of class `cls`: the observations torch's own tests make
+    (a pre-hook's `opt.state['test']` shows in the dict, a post-hook's return value is the dict, load pre-hooks run in
+    order with `prepend` first and a returned dict replaces the given one, load post-hooks see the loaded optimizer)."""
+    out = {}
+    opt = cls(params)
+    h_pre = opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__('test', 1))
+    out['pre'] = opt.state_dict()['state'].get('test')
+    def post(o, sd):
+        sd = dict(sd)
+        sd['seen_test'] = sd['state'].pop('test', None)
+        return sd
+    h_post = opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    out['post'] = (sd['seen_test'], 'test' in sd['state'])
+    out['prepend_post'] = 'seen_test' in opt.state_dict()
+    h_pre.remove(), h_post.remove()
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, 'first': True}, prepend=True)
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, 'second': 'first' in sd})
+    out['post_order'] = opt.state_dict()['second']
+    opt = cls(params)
+    sd = opt.state_dict()
+    opt.register_load_state_dict_pre_hook(lambda o, sd: sd['param_groups'][0].__setitem__('lr', 0.002))
+    opt.load_state_dict(sd)
+    out['load_pre'] = opt.param_groups[0]['lr']
+    def replace(o, sd):
+        sd = copy.deepcopy(sd)
+        sd['param_groups'][0]['lr'] = 0.003
+        return sd
+    opt.register_load_state_dict_pre_hook(replace, prepend=True)
+    opt.load_state_dict(sd)
+    out['load_prepend'] = opt.param_groups[0]['lr']  # the prepended hook ran first: the other one's lr wins
+    opt.register_load_state_dict_post_hook(lambda o: o.state.__setitem__('loaded_lr', o.param_groups[0]['lr']))
+    opt.load_state_dict(sd)
+    out['load_post'] = opt.state['loaded_lr']
+    sd = opt.state_dict()  # (now holding 'loaded_lr', no param's: saved and loaded back as it is)
+    out['extra_saved'] = sd['state'].get('loaded_lr')
+    opt.state['stale'] = 1
+    sd['state']['loaded_lr'] = 0.5
+    fresh = cls(params)
+    fresh.load_state_dict(sd)
+    out['extra_loaded'] = (fresh.state.get('loaded_lr'), 'stale' in fresh.state)
+    return out
+
+
+@pytest.mark.parametrize('name', sorted(INFOS))
+def test_state_dict_hooks_as_torchs(name):
+    """The four state_dict hook kinds (`register_state_dict_pre_hook`/`post_hook`, `register_load_state_dict_pre_hook`/
+    `post_hook`, with `prepend`) behave as torch's class's: cbopt.Optimizer overrides state_dict and load_state_dict,
+    so it runs them itself."""
+    ours = _hooked_runs(getattr(cbopt.optim, name), list(_params(name, _model())))
+    theirs = _hooked_runs(getattr(torch.optim, name), list(_params(name, _model())))
+    assert ours == theirs
+    assert ours['pre'] == 1 and ours['post'] == (1, False) and ours['load_prepend'] == 0.002 and ours['post_order']
+
+
 @pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
 @pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True), dict(fused=True)])
 def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):

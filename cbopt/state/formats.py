@@ -96,6 +96,7 @@ class Checkpoint(NamedTuple):
     sizes: list[int] | None
     origin: str  # 'cbopt', 'torch' or 'fastai'
     unlisted: list = []  # keys of the state that no group lists (an error once the params are matched)
+    others: dict = {}  # state entries that are no param's (keys not of the groups' kind: a hook's), loaded as they are
 
 
 def torch_hypers(i: int, g: Mapping, cbs) -> dict:
@@ -147,8 +148,12 @@ def _read_groups(sd: Mapping) -> Checkpoint:
         chain = g.get('chain', g.get('cbs'))  # a live group's copy holds the callbacks themselves
         if chain is not None and not isinstance(chain, str): rest['chain'] = chain_name(chain)
         groups.append(rest)
+    # a key of another kind than the listed ones (a name among torch's integer ids) is no param's: torch saves such
+    # entries of `opt.state` (a state_dict pre-hook's) as they are, and loads them back as they are
+    kinds = {type(k) for k in listed}
     return Checkpoint(params, groups, [len(g['params']) for g in sd['param_groups']], 'cbopt' if ours else 'torch',
-                      [k for k in state if k not in listed])
+                      [k for k in state if k not in listed and (type(k) in kinds or not kinds)],
+                      {k: v for k, v in state.items() if k not in listed and kinds and type(k) not in kinds})
 
 
 def _read_fastai(sd: Mapping) -> Checkpoint:

@@ -188,7 +188,8 @@ def _load_value(what: str, value: Any, like: Any) -> Any:
 
 def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict, list]:
     """Check `sd` against `opt` and build the state to load, without touching `opt`.
-    Returns `({param: algorithm state}, [hypers per group])`; raises an error naming the param on any mismatch.
+    Returns `({param: algorithm state}, [hypers per group])`, the first with the checkpoint's state entries that are
+    no param's (`Checkpoint.others`: torch loads them as they are) under their own keys; raises an error naming the param on any mismatch.
     A param with state here but none in `sd` raises, unless `fresh_ok` and `sd` holds no state at all (a checkpoint
     of a fresh optimizer, as fastai's `lr_find` makes): then every param restarts."""
     ck = read_checkpoint(sd)
@@ -224,6 +225,7 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
                 raise ValueError(f"param {name!r} has state keys {sorted(saved)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
             new_state[p] = {key: _load_value(f"state {key!r} of param {name!r}", saved[key], expected[key]) for key in expected}
+    new_state.update(ck.others)
     groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
     for i, h in enumerate(hypers):  # a corrupt checkpoint must not load a NaN lr
