@@ -163,28 +163,32 @@ def params(model) -> dict: return {n: p.detach().clone() for n, p in model.named
 
 # -- workers ------------------------------------------------------------------------------------------------------
 def ddp_and_zero(rank: int, world: int, steps: int) -> dict:
-    """DDP with a cbopt.Adam over its named params (DDP's `module.` prefix), and DDP with ZeroRedundancyOptimizer of
-    cbopt.Adam, each `steps` steps on this rank's share of the global batch; ZeRO's consolidated state_dict."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """DDP with a cbopt.Adam over its named params (DDP's `module.` prefix), DDP with cbopt.ZeroRedundancyOptimizer of
+    cbopt.Adam, and DDP with torch's own ZeroRedundancyOptimizer given cbopt.Adam, each `steps` steps on this rank's
+    share of the global batch; cbopt's ZeRO's consolidated state_dict."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(make_model())
     opt = cbopt.Adam(ddp.named_parameters(), lr=1e-2, wd=0.1)
     train(ddp, opt, steps, rank, world)
     zddp = DDP(make_model())
-    zero = ZeroRedundancyOptimizer(zddp.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
+    zero = cbopt.ZeroRedundancyOptimizer(zddp.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
     train(zddp, zero, steps, rank, world)
     zero.consolidate_state_dict(to=0)
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO  # torch's own, given cbopt.Adam
+    tddp = DDP(make_model())
+    tzero = TorchZeRO(tddp.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
+    train(tddp, tzero, steps, rank, world)
     return {'ddp': params(ddp.module), 'names': opt.param_names, 'ddp_state': opt.named_state_dict(),
-            'zero': params(zddp.module), 'zero_sd': zero.state_dict() if rank == 0 else None}
+            'zero': params(zddp.module), 'zero_sd': zero.state_dict() if rank == 0 else None,
+            'torch_zero': params(tddp.module)}
 
 
 def zero_named_resume(rank: int, world: int, steps: int, more: int, path: str) -> dict:
     """ZeRO over cbopt.Adam whose ranks name their params (`zero.optim.name_params`): `steps` steps, the consolidated
     state_dict saved by rank 0 to `path`; then a fresh ZeRO on every rank loads it (weights_only) and trains `more`."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     def make(model):
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
+        zero = cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)
         zero.optim.name_params(model)
         return zero
     ddp = DDP(make_model())
@@ -202,11 +206,16 @@ def zero_named_resume(rank: int, world: int, steps: int, more: int, path: str) -
     other['param_groups'][0]['chain'] = 'average_grad,momentum_step'  # another algorithm's checkpoint: refused
     try: zero2.load_state_dict(other)
     except ValueError as e: refused = str(e)
+    misnamed = torch.load(path, weights_only=True)  # 0.weight's and 0.bias's names swapped: another model's order
+    names0 = misnamed['param_groups'][0]['param_names']
+    names0[0], names0[1] = names0[1], names0[0]
+    try: zero2.load_state_dict(misnamed)
+    except ValueError as e: refused_names = str(e)
     zero2.load_state_dict(torch.load(path, weights_only=True))
     loaded = zero2.optim.named_state_dict()
     train(ddp2, zero2, more, rank, world, start=steps)
     return {'names': names, 'names_after_load': zero2.optim.param_names, 'loaded': loaded, 'final': params(ddp2.module),
-            'refused': refused}
+            'refused': refused, 'refused_names': refused_names}
 
 
 # a ZeRO checkpoint of `make_model()` with one thing wrong, late in the order: the last param (3, owned by rank 1:
@@ -231,12 +240,11 @@ def zero_refuses_bad_checkpoints(rank: int, world: int, steps: int, more: int) -
     train `more` steps (so that any value loaded would show), then `a` is given each of `BAD_ZERO_CHECKPOINTS`; both
     take one more step. What `a` held before and after the loads, each load's error, and both runs' params and state."""
     import copy
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     runs = []
     for _ in range(2):
         model = DDP(make_model())
-        runs.append((model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)))
+        runs.append((model, cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2, wd=0.1)))
     (model_a, zero_a), (model_b, zero_b) = runs
     for model, zero in runs: train(model, zero, steps, rank, world)
     zero_a.consolidate_state_dict(to=0)
@@ -259,13 +267,22 @@ def zero_refuses_bad_checkpoints(rank: int, world: int, steps: int, more: int) -
             'state_a': zero_a.optim.named_state_dict(), 'state_b': zero_b.optim.named_state_dict()}
 
 
+def zero_refuses_what_it_cannot_run(rank: int, world: int) -> dict:
+    "cbopt.ZeroRedundancyOptimizer given a torch optimizer class, or overlap_with_ddp=True: the errors."
+    errors = {}
+    for what, kw in {'torch class': dict(optimizer_class=torch.optim.Adam),
+                     'overlap': dict(optimizer_class=cbopt.Adam, overlap_with_ddp=True)}.items():
+        try: cbopt.ZeroRedundancyOptimizer(make_model().parameters(), lr=1e-2, **kw)
+        except (TypeError, ValueError) as e: errors[what] = f'{type(e).__name__}: {e}'
+    return errors
+
+
 def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
     "ZeroRedundancyOptimizer over a model of one param: rank 1 owns nothing, its cbopt.Adam has an empty group."
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     model = DDP(nn.Linear(6, 3, bias=False))
-    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2)
+    zero = cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam, lr=1e-2)
     for i in range(steps):
         x, y = batch(i)
         nn.functional.mse_loss(model(x[rank::world]), y[rank::world]).backward()
@@ -278,10 +295,9 @@ def zero_momentum_writes(rank: int, world: int, built_with: str) -> list:
     """ZeroRedundancyOptimizer of cbopt.SGD built with momentum given as `built_with` (torch's `momentum` or cbopt's
     `mom`), then written on ZeRO's groups under each name in turn, as a scheduler (OneCycleLR: `momentum`) or fastai
     (`mom`) does, a step after each: the `mom` each rank's optimizer steps with."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     torch.manual_seed(0)
     model = make_model()
-    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.SGD, lr=1e-2, **{built_with: 0.9})
+    zero = cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.SGD, lr=1e-2, **{built_with: 0.9})
     seen = []
     for i, (name, value) in enumerate([('momentum', 0.5), ('mom', 0.3), ('momentum', 0.7), ('mom', 0.2)]):
         zero.param_groups[0][name] = value

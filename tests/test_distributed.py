@@ -1,6 +1,8 @@
 """cbopt under torch.distributed, 2 gloo processes on CPU (`distributed.py`): each mode equals one process on the
 global batch, and its checkpoints load back by name."""
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ def test_ddp_and_zero_equal_one_process_and_zero_checkpoint_loads_by_position():
         for n in ref:
             assert_tensor_close(r['ddp'][n], ref[n], f'ddp {n}')
             assert_tensor_close(r['zero'][n], ref[n], f'zero {n}')
+            assert_tensor_close(r['torch_zero'][n], ref[n], f"torch's zero {n}")  # the compatibility path trains
     ref_state = opt.named_state_dict()['state']
     for n, s in ranks[0]['ddp_state']['state'].items():
         for k, v in s.items():
@@ -72,10 +75,29 @@ def test_zero_checkpoint_of_named_ranks_loads_by_name_and_back(tmp_path):
     D.train(model, opt, 3, start=STEPS)
     for r in ranks:
         assert r['refused'].startswith('param group 0 (') and 'was saved by the chain [average_grad,momentum_step]' in r['refused']
+        assert "param '0.weight'" in r['refused_names'] or "param '0.bias'" in r['refused_names'], r['refused_names']
+        assert 'names another param' in r['refused_names']
         assert r['names_after_load'] == r['names']
         assert sorted(r['loaded']['state']) == sorted(r['names'])
         for n in r['names']: assert_tensor_close(r['loaded']['state'][n]['sqr_avg'], want[n]['sqr_avg'], f'loaded {n}')
         for n, p in D.params(model).items(): assert_tensor_close(r['final'][n], p, f'resumed {n}')
+
+
+def test_zero_refuses_torch_optimizers_and_overlap():
+    "A torch optimizer class (torch's own ZeRO is for those) and overlap_with_ddp (torch's functional optimizers only)."
+    for r in D.spawn(D.zero_refuses_what_it_cannot_run):
+        assert r['torch class'].startswith('TypeError: ') and 'not a cbopt optimizer' in r['torch class']
+        assert 'torch.distributed.optim.ZeroRedundancyOptimizer' in r['torch class']
+        assert r['overlap'].startswith('ValueError: ') and 'overlap_with_ddp=True' in r['overlap']
+
+
+def test_import_cbopt_does_not_import_zero():
+    "`cbopt.ZeroRedundancyOptimizer` imports torch.distributed's optim on first use, not at `import cbopt`."
+    code = ("import sys, cbopt; assert 'torch.distributed.optim' not in sys.modules; "
+            "assert 'ZeroRedundancyOptimizer' in dir(cbopt); from torch.distributed.optim import ZeroRedundancyOptimizer; "
+            "assert issubclass(cbopt.ZeroRedundancyOptimizer, ZeroRedundancyOptimizer)")
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
 
 
 def test_zero_with_an_empty_partition():

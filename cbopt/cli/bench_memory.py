@@ -1,8 +1,8 @@
 """`python -m cbopt bench --only memory`: the optimizer state each rank holds under DDP, ZeRO and FSDP2.
 
 Two gloo processes on CPU take one `cbopt.Adam` step on GPT-2 small's params (`bench.gpt2_shapes`) in each mode, with
-torch's own wrappers: `DistributedDataParallel` (every rank keeps the whole state), `ZeroRedundancyOptimizer` (each
-rank keeps the state of the params it owns) and FSDP2's `fully_shard` (each rank keeps its shard of every param's
+torch's own wrappers: `DistributedDataParallel` (every rank keeps the whole state), `ZeroRedundancyOptimizer`
+(`cbopt.ZeroRedundancyOptimizer`, torch's for cbopt optimizers: each rank keeps the state of the params it owns) and FSDP2's `fully_shard` (each rank keeps its shard of every param's
 state, as DTensors). Each rank then counts the bytes of the state tensors it holds (a DTensor's local shard). Bytes
 need no timing, so a busy machine does not change them.
 """
@@ -58,9 +58,8 @@ def measure_rank(shapes, modes=MODES) -> dict:
         res['DDP'] = state_bytes(opt)
         del model, opt
     if 'ZeRO' in modes:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
         model = _module(shapes)
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam)
+        zero = cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.Adam)
         _step(zero, model.parameters())
         res['ZeRO'] = state_bytes(zero.optim)
         del model, zero

@@ -1,2 +1,3 @@
-"""Integrations with other libraries, each in its own module. Each registers neutral hooks with the core
-(`cbopt.optimizer.on_create`, `cbopt.optimizer.load_policies`) and imports its library only if the user has."""
+"""Integrations with other libraries, each in its own module, none imported by this package: `fastai` registers
+neutral hooks with the core (`cbopt.optimizer.on_create`, `cbopt.optimizer.load_policies`) at `import cbopt` and imports
+fastai only if the user has; `zero` (`cbopt.ZeroRedundancyOptimizer`, a subclass of torch's) is imported on first use."""

@@ -1,120 +1,190 @@
-"""torch's `ZeroRedundancyOptimizer(params, optimizer_class=cbopt.Adam, ...)`, as the only place in cbopt that knows
-about it.
+"""`cbopt.ZeroRedundancyOptimizer`: torch's `ZeroRedundancyOptimizer` for cbopt optimizers, as the only place in
+cbopt that knows about it. It imports torch.distributed's optim, so `import cbopt` does not import this module:
+`cbopt.ZeroRedundancyOptimizer` does, on first use.
 
-ZeRO builds one cbopt optimizer per rank over that rank's share of the params, and copies every entry of the groups
-both ways between that optimizer and its own global groups (`_sync_param_groups`: at its start, around every step,
-when consolidating and loading). A live cbopt group holds, besides hypers, its chain (`cbs`, callables) and the names
-of its params (`param_names`, the rank's own). Copied, they made ZeRO's consolidated `state_dict()` hold live
-callbacks (unreadable with `torch.load(weights_only=True)`) and rank 0's names on every group; and copied back, a
-rank's names became stale ones.
+ZeRO builds one optimizer per rank over that rank's share of the params, and copies every entry of the groups both
+ways between that optimizer and its own global groups (at its start, around every step, when consolidating and
+loading). A live cbopt group holds, besides hypers, its chain (`chain`, callables) and the names of its params
+(`param_names`, the rank's own). Copied, they made ZeRO's consolidated `state_dict()` hold live callbacks (unreadable
+with `torch.load(weights_only=True)`) and rank 0's names on every group; and copied back, a rank's names became stale
+ones. ZeRO's own groups are plain dicts, which can hold one hyper under both its names (`momentum` given to ZeRO or
+written by a scheduler such as OneCycleLR, and `mom`): copied key by key, the stale one won whenever it came last.
+ZeRO's load wrote each rank's state as it went and checked nothing but the group sizes, after writing.
 
-When ZeRO's `_init_local_optimizer` is building a cbopt optimizer, this module gives that ZeRO:
+The subclass is what the user constructs in place of torch's (same arguments); it gives:
 
-- **a sync of the hypers only** (every group entry but `params`, `param_names`, `cbs` and `chain`; whole-model
-  callbacks' state included): each rank keeps its own chain and names; ZeRO gives it bare tensors, which it names by
-  their global positions (`'3'` is ZeRO's param 3 on whichever rank owns it), as ZeRO's checkpoint does.
-- **cbopt's checkpoint layout** (a `state_dict` post-hook): each group names its chain (`chain`), saves `mom` without
-  torch's alias `momentum`, and lists the names of *its* params in ZeRO's global order, gathered from the ranks'
-  consolidated state_dicts: positions (`'0', '1', ...`) unless the ranks' optimizers were named, e.g. with
-  `zero.optim.name_params(model)` on every rank. So the checkpoint is readable with weights_only and loads into a
-  plain cbopt optimizer by name (by position when unnamed), strictly and atomically.
-- **a load that is all or nothing on every rank** (`load_state_dict`, in place of ZeRO's, which wrote each rank's
-  state as it went and checked nothing but the group sizes, after writing): each rank reads its share of the
-  checkpoint (the params of each group at the positions of its own, as ZeRO matches them) with its optimizer's strict
-  load (chain, state keys, shapes, dtypes, hypers, whole-model state), without changing anything; the ranks then
-  agree (a collective: every rank must load, as with ZeRO's own), and either every rank commits or every rank raises,
-  the error naming the param or group (and the rank that refused it, on the others).
+- **a sync of the hypers only** (every group entry but `params`, `param_names` and the chain; whole-model callbacks'
+  state included), keeping `momentum` and `mom` equal on ZeRO's side and copying the one written since: each rank
+  keeps its own chain and names; ZeRO gives it bare tensors, which it names by their global positions (`'3'` is
+  ZeRO's param 3 on whichever rank owns it), as ZeRO's checkpoint does.
+- **cbopt's checkpoint layout**: each group names its chain (`chain`), saves `mom` without torch's alias `momentum`,
+  and lists the names of *its* params in ZeRO's global order, gathered from the ranks by `consolidate_state_dict`:
+  positions (`'0', '1', ...`) unless the ranks' optimizers were named, e.g. with `zero.optim.name_params(model)` on
+  every rank. So the checkpoint is readable with weights_only and loads into a plain cbopt optimizer by name (by
+  position when unnamed), strictly and atomically.
+- **a load that is all or nothing on every rank**: each rank reads its share of the checkpoint (the params of each
+  group at the positions of its own, as ZeRO matches them; where both sides name a param, the names must agree) with
+  its optimizer's strict load (chain, state keys, shapes, dtypes, hypers, whole-model state), without changing
+  anything; the ranks then agree (a collective: every rank must load, as with ZeRO's own), and either every rank
+  commits or every rank raises, the error naming the param or group (and the rank that refused it, on the others).
 
-This module imports torch.distributed only once a ZeRO exists: no frame can be ZeRO's unless it is imported.
+torch's own `ZeroRedundancyOptimizer(params, optimizer_class=cbopt.Adam)` is not recognised (cbopt has no way to see
+who builds its optimizer without reading the call stack): it trains, as torch's ZeRO does with any optimizer class,
+but has none of the above (see the README's "Scale out").
 """
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
-from types import MethodType
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
 
-from .. import optimizer as _optimizer
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
+
 from ..core.chain import chain_name
 from ..core.hypers import ALIASES, NOT_HYPERS, same_value
-from ..core.names import is_positional
+from ..optimizer import Optimizer
 
-__all__ = ['zero_building', 'hook_zero']
-
-MAX_DEPTH = 6  # frames between ZeRO's _init_local_optimizer and cbopt's on_create (factory, Optimizer.__init__)
-ZERO_MODULE = 'torch.distributed.optim.zero_redundancy_optimizer'
+__all__ = ['ZeroRedundancyOptimizer']
 
 
-def zero_building(depth: int = MAX_DEPTH) -> Any:
-    "The ZeroRedundancyOptimizer whose `_init_local_optimizer` is among our `depth` callers, if any."
-    mod = sys.modules.get(ZERO_MODULE)
-    if mod is None: return None
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None: return None
-        if frame.f_code.co_name == '_init_local_optimizer' and isinstance(zero := frame.f_locals.get('self'),
-                                                                          mod.ZeroRedundancyOptimizer): return zero
-        frame = frame.f_back
-    return None
+class ZeroRedundancyOptimizer(TorchZeroRedundancyOptimizer):
+    """torch's `ZeroRedundancyOptimizer` over a cbopt optimizer class: `cbopt.ZeroRedundancyOptimizer(
+    model.parameters(), optimizer_class=cbopt.Adam, lr=..., wd=...)`, torch's arguments. Each rank's optimizer
+    (`zero.optim`) keeps its own chain and param names, ZeRO's groups hold the hypers, `state_dict()` (after
+    `consolidate_state_dict()` on every rank) is cbopt's checkpoint layout, and `load_state_dict` is all or nothing on
+    every rank (see `cbopt.integrations.zero`).
+
+    It overrides these of torch's methods, which torch itself calls:
+    - `_sync_param_groups` (torch calls it at construction, around every step, when consolidating and loading): the
+      hypers only, and of `momentum` and `mom` the one written since the last sync;
+    - `add_param_group`: a new group's params, bare tensors, are named by their global positions as at construction;
+    - `consolidate_state_dict`: also gathers each rank's names for its params (a collective, as torch's already is);
+    - `state_dict`: torch's, in cbopt's layout;
+    - `load_state_dict`: in place of torch's, which writes each rank's state before checking anything.
+    `overlap_with_ddp=True` needs one of torch's functional optimizers, which cbopt's are not: it is refused."""
+
+    def __init__(self, params: Iterable, optimizer_class: Callable[..., Optimizer], process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
+        if overlap_with_ddp:
+            raise ValueError("cbopt.ZeroRedundancyOptimizer(overlap_with_ddp=True): overlapping needs one of torch's "
+                             "functional optimizers (torch.distributed.optim), which a cbopt optimizer is not")
+        self._names: list[str] = []  # each param's name in ZeRO's global order, as of the last consolidation
+        super().__init__(params, optimizer_class, process_group=process_group,
+                         parameters_as_bucket_view=parameters_as_bucket_view, **defaults)
+        if not isinstance(self.optim, Optimizer):
+            raise TypeError(f"cbopt.ZeroRedundancyOptimizer(optimizer_class={getattr(optimizer_class, '__name__', optimizer_class)}) "
+                            f"built a {type(self.optim).__name__}, not a cbopt optimizer: use "
+                            f"torch.distributed.optim.ZeroRedundancyOptimizer for it")
+        self._name_by_position(self.optim.param_groups)
+
+    # -- naming --------------------------------------------------------------------------------------------------
+    def _global_index(self) -> dict:
+        "Each param's position in ZeRO's global order (its groups' params, in order: torch's numbering)."
+        return {p: i for i, p in enumerate(p for g in self.param_groups for p in g['params'])}
+
+    def _name_by_position(self, groups: list) -> None:
+        "Name the params of `groups` (this rank's, given bare by ZeRO) by their global positions."
+        index = self._global_index()
+        for g in groups: g['param_names'] = [str(index[p]) for p in g['params']]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's (call it on every rank); the params that the new group gives this rank's optimizer are named by their
+        global positions, if its params so far are (otherwise `zero.optim.name_params(model)` names them)."""
+        if not getattr(self, 'initialized', False): return super().add_param_group(param_group)  # (torch's __init__)
+        before = len(self.optim.param_groups)
+        super().add_param_group(param_group)
+        index = self._global_index()
+        positional = all(n == str(index[p]) for g in self.optim.param_groups[:before]
+                         for p, n in zip(g['params'], g['param_names']))
+        if positional: self._name_by_position(self.optim.param_groups[before:])
+
+    # -- torch's sync, for the hypers only -------------------------------------------------------------------------
+    @staticmethod
+    def _sync_param_groups(src_param_groups: list, dst_param_groups: list) -> None:
+        "The hypers only (see the class docstring); torch calls it with ZeRO's groups and the rank's, either way."
+        sync_hypers(src_param_groups, dst_param_groups)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's (call it on every rank), and each rank's names for its params, gathered on every rank (names only):
+        `state_dict()` on rank `to` then lists them in ZeRO's global order."""
+        super().consolidate_state_dict(to)
+        index = self._global_index()
+        mine = {index[p]: n for g in self.optim.param_groups for p, n in zip(g['params'], g['param_names'])}
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.process_group)
+        names = {i: n for ranks in every for i, n in ranks.items()}
+        self._names = [names.get(i, str(i)) for i in range(len(index))]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's consolidated state_dict (on the rank `consolidate_state_dict` was given) in cbopt's layout: each group
+        with its chain's name, `mom` without `momentum`, and its params' names in ZeRO's global order."""
+        sd = super().state_dict()
+        for i, (g, mine) in enumerate(zip(sd['param_groups'], self.optim.param_groups)):
+            g = sd['param_groups'][i] = dict(g)  # (a plain dict: a ParamGroup would pop `mom` with `momentum`)
+            g.pop('cbs', None)
+            g['chain'] = chain_name(mine['cbs'])
+            for alias, canon in ALIASES.items():
+                if canon in g: g.pop(alias, None)
+            g['param_names'] = [self._names[k] if k < len(self._names) else str(k) for k in g['params']]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ZeRO's consolidated checkpoint (cbopt's layout or torch's), all or nothing on every rank (a collective:
+        call it on every rank). Each rank checks its share with its optimizer's strict load, changing nothing; if any
+        rank refuses it, every rank raises (the refusing rank's error, naming the param or group; on the others, that
+        rank too) and nothing changed anywhere. ZeRO's groups then take the hypers loaded, as after a step."""
+        commit, error = None, None
+        try:
+            for hook in self._optimizer_load_state_dict_pre_hooks.values():  # (torch's load runs them: so does this)
+                if (out := hook(self, state_dict)) is not None: state_dict = out
+            commit = self.optim.prepared_load(rank_share(self, state_dict))
+        except Exception as e: error = e
+        agree(self.process_group, error)
+        commit()
+        sync_hypers(self.optim.param_groups, self.param_groups)
+        for hook in self._optimizer_load_state_dict_post_hooks.values(): hook(self)
 
 
-def _global_names(zero) -> list[str]:
-    """The name of each param in ZeRO's global order: its rank's optimizer's name for it, from the consolidated
-    state_dicts, or its global position when that rank's params are named by position."""
-    names = [str(i) for i in range(len(zero._param_to_index))]
-    for rank, local in enumerate(zero._all_state_dicts):
-        local_names = [n for g in local['param_groups'] for n in g.get('param_names', ())]
-        if is_positional(local_names): continue
-        parts = zero._partition_parameters()[rank]
-        for g, part in zip(local['param_groups'], parts):
-            for name, p in zip(g['param_names'], part['params']): names[zero._param_to_index[p]] = name
-    return names
-
-
-def _checkpoint_groups(zero, state_dict: dict) -> dict:
-    "ZeRO's consolidated state_dict as cbopt's own: each group with its chain's name and its params' names."
-    names = _global_names(zero)
-    for i, (g, mine) in enumerate(zip(state_dict['param_groups'], zero.optim.param_groups)):
-        g = state_dict['param_groups'][i] = dict(g)  # (a plain dict: a ParamGroup would pop `mom` with `momentum`)
-        g.pop('cbs', None)
-        g['chain'] = chain_name(mine['cbs'])
-        for alias, canon in ALIASES.items():
-            if canon in g: g.pop(alias, None)
-        g['param_names'] = [names[i] for i in g['params']]
-    return state_dict
-
-
-def _rank_share(zero, state_dict: Mapping) -> dict:
+def rank_share(zero: ZeroRedundancyOptimizer, state_dict: Mapping) -> dict:
     """The part of ZeRO's checkpoint that this rank's optimizer holds: in each group, the saved params at the positions
-    of its own in ZeRO's group (ZeRO's and torch's rule), with their state, names and the group's entries."""
+    of its own in ZeRO's group (ZeRO's and torch's rule), with their state and the group's entries, named by this
+    rank's names. Where both the checkpoint and this rank name a param (not by its position), the names must agree."""
     if not isinstance(state_dict, Mapping) or not {'state', 'param_groups'} <= set(state_dict):
         raise TypeError(f"expected a state_dict with 'state' and 'param_groups' entries, got {type(state_dict).__name__}")
     saved_groups = state_dict['param_groups']
     if len(saved_groups) != len(zero.param_groups):
         raise ValueError(f"the state_dict has {len(saved_groups)} param groups, this ZeroRedundancyOptimizer "
                          f"{len(zero.param_groups)}")
+    index = zero._global_index()
     state, groups, n = {}, [], 0
     for i, (saved, mine, local) in enumerate(zip(saved_groups, zero.param_groups, zero.optim.param_groups)):
         keys = list(saved['params'])
         if len(keys) != len(mine['params']):
             raise ValueError(f"param group {i} has {len(keys)} params in the state_dict, {len(mine['params'])} here")
+        saved_names = saved.get('param_names')
+        saved_names = list(saved_names) if saved_names is not None and len(saved_names) == len(keys) else None
         where = {p: j for j, p in enumerate(mine['params'])}
         ids = list(range(n, n + len(local['params'])))
         n += len(ids)
-        for k, p in zip(ids, local['params']):
-            if keys[where[p]] in state_dict['state']: state[k] = state_dict['state'][keys[where[p]]]
+        for k, p, name in zip(ids, local['params'], local['param_names']):
+            j = where[p]
+            if saved_names is not None and name != str(index[p]) and saved_names[j] != str(keys[j]) \
+                    and saved_names[j] != name:
+                raise ValueError(f"param {name!r} (ZeRO's param {index[p]}, group {i}) is {saved_names[j]!r} in the "
+                                 f"state_dict: ZeRO loads by position, and this checkpoint names another param there")
+            if keys[j] in state_dict['state']: state[k] = state_dict['state'][keys[j]]
         groups.append({**{k: v for k, v in saved.items() if k not in ('params', 'param_names')},
                        'param_names': list(local['param_names']), 'params': ids})  # matched by position: its own names
     return {'state': state, 'param_groups': groups}
 
 
-def _agree(zero, error: BaseException | None) -> None:
-    """Every rank's verdict on a load (a collective over ZeRO's group): if any rank refused it, every rank raises, the
-    refusing ranks their own error, the others the first refusing rank's, naming that rank."""
-    import torch.distributed as dist  # (ZeRO's own module has imported it)
-    verdicts: list = [None] * dist.get_world_size(zero.process_group)
+def agree(process_group: Any, error: BaseException | None) -> None:
+    """Every rank's verdict on a load (a collective over `process_group`): if any rank refused it, every rank raises,
+    the refusing ranks their own error, the others the first refusing rank's, naming that rank."""
+    verdicts: list = [None] * dist.get_world_size(process_group)
     mine = None if error is None else (type(error), error.args[0] if len(error.args) == 1 else str(error))
-    dist.all_gather_object(verdicts, mine, group=zero.process_group)
+    dist.all_gather_object(verdicts, mine, group=process_group)
     if error is not None: raise error
     for rank, verdict in enumerate(verdicts):
         if verdict is None: continue
@@ -124,26 +194,11 @@ def _agree(zero, error: BaseException | None) -> None:
         raise other
 
 
-def _load_state_dict(zero, state_dict: dict) -> None:
-    """ZeRO's `load_state_dict` for a cbopt optimizer, all or nothing on every rank (see the module docstring); ZeRO's
-    groups then take the hypers loaded, as after a step."""
-    zero._check_overlap_initialized()
-    try:
-        for hook in zero._optimizer_load_state_dict_pre_hooks.values():
-            if (out := hook(zero, state_dict)) is not None: state_dict = out
-        commit, error = zero.optim.prepared_load(_rank_share(zero, state_dict)), None
-    except Exception as e: error = e
-    _agree(zero, error)
-    commit()
-    _sync_hypers(zero.optim.param_groups, zero.param_groups)
-    for hook in zero._optimizer_load_state_dict_post_hooks.values(): hook(zero)
-
-
-def _sync_hypers(src: list, dst: list) -> None:
-    """ZeRO's `_sync_param_groups`, for the hypers only: each rank's optimizer keeps its own chain and names. ZeRO's
-    own groups are plain dicts, which can hold one hyper under both its names (`momentum` given to ZeRO or written by
-    a scheduler such as OneCycleLR, and `mom`): copied key by key, the stale one of the two won whenever it came
-    last. Both names are kept equal there, and the one written since the last sync is the one copied."""
+def sync_hypers(src: list, dst: list) -> None:
+    """torch's group sync for the hypers only: each rank's optimizer keeps its own chain and names. ZeRO's own groups
+    are plain dicts, which can hold one hyper under both its names (`momentum` given to ZeRO or written by a scheduler
+    such as OneCycleLR, and `mom`): copied key by key, the stale one of the two won whenever it came last. Both names
+    are kept equal there, and the one written since the last sync is the one copied."""
     if len(src) != len(dst): raise AssertionError("Mismatch between number of source and destination parameter groups")
     for s, d in zip(src, dst):
         for k in [k for k in s if k not in NOT_HYPERS and k not in ALIASES and k not in ALIASES.values()]: d[k] = s[k]
@@ -153,17 +208,3 @@ def _sync_hypers(src: list, dst: list) -> None:
             now = d.get(canon)
             d[canon] = value = next((v for v in held if not same_value(v, now)), held[0])  # the one written since, if any
             if dict.__contains__(d, alias): d[alias] = value
-
-
-def hook_zero(opt) -> None:
-    "If a ZeroRedundancyOptimizer is building `opt` (its rank's optimizer), give that ZeRO cbopt's sync and checkpoints."
-    zero = zero_building()
-    if zero is None: return
-    zero._sync_param_groups = _sync_hypers  # an instance attribute: ZeRO calls `self._sync_param_groups(src, dst)`
-    zero.register_state_dict_post_hook(_checkpoint_groups)
-    zero.load_state_dict = MethodType(_load_state_dict, zero)  # (ZeRO's writes each rank's state before checking)
-    if is_positional(opt.param_names):  # ZeRO passes bare tensors: each is named by its global position, as in ZeRO's
-        for g in opt.param_groups: g['param_names'] = [str(zero._param_to_index[p]) for p in g['params']]  # checkpoint
-
-
-_optimizer.on_create.append(hook_zero)
