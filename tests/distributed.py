@@ -277,6 +277,18 @@ def zero_refuses_what_it_cannot_run(rank: int, world: int) -> dict:
     return errors
 
 
+def zero_add_param_group(rank: int, world: int) -> dict:
+    """cbopt.ZeroRedundancyOptimizer over the first layer, then `add_param_group` with the second, a step: this rank's
+    optimizer's names, and each of its params' global position."""
+    model = make_model()
+    zero = cbopt.ZeroRedundancyOptimizer(model[0].parameters(), optimizer_class=cbopt.Adam, lr=1e-2)
+    zero.add_param_group({'params': list(model[2].parameters()), 'lr': 1e-3})
+    train(model, zero, 1, rank, world)
+    index = {p: i for i, p in enumerate(p for g in zero.param_groups for p in g['params'])}
+    return {'names': zero.optim.param_names, 'positions': [str(index[p]) for p in zero.optim.params],
+            'lrs': [g['lr'] for g in zero.optim.param_groups], 'stepped': all(zero.optim.state[p] for p in zero.optim.params)}
+
+
 def zero_empty_partition(rank: int, world: int, steps: int) -> dict:
     "ZeroRedundancyOptimizer over a model of one param: rank 1 owns nothing, its cbopt.Adam has an empty group."
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -100,6 +100,15 @@ def test_import_cbopt_does_not_import_zero():
     assert res.returncode == 0, res.stderr
 
 
+def test_zero_add_param_group_names_the_new_params_by_global_position():
+    "A group added on every rank: each rank's share of it is named by its global position, with the group's own lr."
+    ranks = D.spawn(D.zero_add_param_group)
+    assert sorted(n for r in ranks for n in r['names']) == ['0', '1', '2', '3']
+    for r in ranks:
+        assert r['names'] == r['positions'] and r['stepped']
+        assert r['lrs'] == [1e-2, 1e-3]
+
+
 def test_zero_with_an_empty_partition():
     "One param on two ranks: rank 1's cbopt.Adam owns nothing and steps nothing; the run equals one process."
     ranks = D.spawn(D.zero_empty_partition, 3)

@@ -89,14 +89,17 @@ class ZeroRedundancyOptimizer(TorchZeroRedundancyOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's (call it on every rank); the params that the new group gives this rank's optimizer are named by their
-        global positions, if its params so far are (otherwise `zero.optim.name_params(model)` names them)."""
+        global positions, if its params so far are (otherwise `zero.optim.name_params(model)` names them). (cbopt names
+        a new bare param by its position in the rank's optimizer, which may be another param's global one: so the
+        rank's params are named by their local positions while torch adds the group.)"""
         if not getattr(self, 'initialized', False): return super().add_param_group(param_group)  # (torch's __init__)
-        before = len(self.optim.param_groups)
-        super().add_param_group(param_group)
         index = self._global_index()
-        positional = all(n == str(index[p]) for g in self.optim.param_groups[:before]
-                         for p, n in zip(g['params'], g['param_names']))
-        if positional: self._name_by_position(self.optim.param_groups[before:])
+        if not all(n == str(index[p]) for g in self.optim.param_groups for p, n in zip(g['params'], g['param_names'])):
+            return super().add_param_group(param_group)
+        names = (str(i) for i in range(len(self.optim.params)))
+        for g in self.optim.param_groups: g['param_names'] = [next(names) for _ in g['params']]
+        try: super().add_param_group(param_group)
+        finally: self._name_by_position(self.optim.param_groups)
 
     # -- torch's sync, for the hypers only -------------------------------------------------------------------------
     @staticmethod
