@@ -22,11 +22,10 @@ from .core.initial import initial_state
 from .core.names import canonical_names
 from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
 
-__all__ = ['Optimizer', 'rechain', 'on_create', 'load_policies']
+__all__ = ['Optimizer', 'rechain', 'on_create']
 
-# Neutral hooks for integrations (`cbopt.integrations`): the core never learns who its caller is.
-on_create: list[Callable[[Optimizer], None]] = []       # called with each new optimizer (may name its params)
-load_policies: list[Callable[[Optimizer], bool]] = []   # any True: a checkpoint with no state at all restarts the optimizer
+# A neutral hook for integrations (`cbopt.integrations.fastai`): the core never learns who its caller is.
+on_create: list[Callable[[Optimizer], None]] = []  # called with each new optimizer (may name its params)
 
 
 def _as_chain(cbs: Callable | Iterable[Callable]) -> list:
@@ -325,8 +324,7 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a cbopt (either layout), torch.optim or fastai state_dict, matching params by name where both sides
         name them (another grouping or order loads), by position otherwise. Strict and atomic: any mismatch raises an
-        error naming the param, and leaves this optimizer exactly as it was. (An integration may let a checkpoint with no state at
-        all restart the optimizer: fastai's lr_find, see `cbopt.integrations.fastai`.)"""
+        error naming the param, and leaves this optimizer exactly as it was."""
         self.prepared_load(state_dict)()
 
     def prepared_load(self, state_dict: dict) -> Callable[[], None]:
@@ -335,8 +333,7 @@ class Optimizer(torch.optim.Optimizer):
         rank's part: `cbopt.integrations.zero`): check every part, then commit each."""
         if isinstance(state_dict, dict): state_dict = state_dict.copy()  # shallow, as torch's: a hook may rebind its keys
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
-        fresh_ok = any(policy(self) for policy in load_policies)
-        new_state, new_hypers = prepare_load(self, state_dict, fresh_ok=fresh_ok)
+        new_state, new_hypers = prepare_load(self, state_dict)
         def commit() -> None:
             for k in [k for k in self.state if not isinstance(k, torch.Tensor)]: del self.state[k]
             for k, v in new_state.items():  # the entries that are no param's: the checkpoint's, as torch loads them

@@ -325,7 +325,7 @@ def test_lr_find_after_training_restores_state(tmp_path, recwarn):
 
 
 def test_empty_checkpoint_stays_strict_outside_fastai():
-    "The fresh-checkpoint exception is fastai's load_model only: a plain load of an empty state_dict still raises."
+    "The fresh-checkpoint exception is lr_find's only: a plain load of an empty state_dict still raises."
     model = learner_model()
     opt = cbopt.Adam(model.named_parameters(), lr=1e-2)
     fresh = opt.state_dict()
@@ -334,6 +334,28 @@ def test_empty_checkpoint_stays_strict_outside_fastai():
     before = {n: dict(opt.state[p]) for n, p in opt.named_params().items()}
     with pytest.raises(ValueError, match="no state for param '0.weight'"): opt.load_state_dict(fresh)
     assert {n: dict(opt.state[p]) for n, p in opt.named_params().items()} == before  # atomic
+
+
+def test_fresh_checkpoint_restarts_only_in_lr_find(tmp_path, recwarn):
+    """The restart is lr_find's (cbopt's `LRFindRestore`, which the Learner got once, clears the state just before the
+    LRFinder loads): `learn.load` of a fresh checkpoint after training is refused as any strict load is (fastai warns),
+    and `learn.opt.clear_state()` first makes it load."""
+    from cbopt.integrations.fastai import LRFindRestore
+    learn = make_learner(cbopt.Adam, tmp_path)
+    learn.create_opt()
+    learn.save('fresh', with_opt=True)
+    learn.fit(1, 1e-2)
+    learn.create_opt()  # a second optimizer: no second callback
+    assert sum(isinstance(cb, LRFindRestore) for cb in learn.cbs) == 1
+    learn.fit(1, 1e-2)
+    state0 = opt_states(learn)
+    learn.load('fresh', with_opt=True)
+    assert opt_warnings(recwarn) == ['Could not load the optimizer state.']
+    assert_states_equal(opt_states(learn), state0)
+    learn.opt.clear_state()
+    learn.load('fresh', with_opt=True)
+    assert len(opt_warnings(recwarn)) == 1
+    assert all(set(learn.opt.state[p]) <= set(FLAGS) for p in learn.model.parameters())
 
 
 def test_partial_checkpoint_stays_strict_inside_fastai(tmp_path, recwarn):
@@ -387,6 +409,8 @@ def test_export_and_load_learner(tmp_path):
     loaded.dls = make_dls()
     loaded.create_opt()
     assert isinstance(loaded.opt, cbopt.Optimizer) and loaded.opt.hypers[0]['sqr_mom'] == 0.95
+    from cbopt.integrations.fastai import LRFindRestore  # pickled with the Learner by export, found by name
+    assert sum(isinstance(cb, LRFindRestore) for cb in loaded.cbs) == 1
     assert loaded.opt.param_names == [n for g in group_names(loaded.model) for n in g]
     loaded.fit(1, 1e-2)
     assert torch.isfinite(loaded.model.eval()(x)).all()

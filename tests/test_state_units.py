@@ -450,8 +450,8 @@ def test_loaded_tensors_take_the_params_dtype_and_are_copies() -> None:
 
 
 def test_missing_state_restarts_only_by_choice() -> None:
-    """A param with state here and none in the checkpoint is an error naming it; a checkpoint of a fresh optimizer
-    (no state at all, as fastai's lr_find saves) restarts every param when `fresh_ok`."""
+    """A param with state here and none in the checkpoint is an error naming it, even in a checkpoint of a fresh
+    optimizer (no state at all, as fastai's lr_find saves); after `clear_state()` (the choice) it loads."""
     opt = adam()
     sd = opt.named_state_dict()
     del sd['state']['1.bias']
@@ -459,13 +459,10 @@ def test_missing_state_restarts_only_by_choice() -> None:
                                  "(['grad_avg', 'sqr_avg', 'step']): loading it would silently restart '1.bias'; "
                                  "call clear_state() first")
     fresh = adam(steps=0).named_state_dict()
-    state, hypers = prepare_load(opt, fresh, fresh_ok=True)
-    assert all(s == {} for s in state.values()) and len(state) == 4 and hypers[0]['lr'] == 0.01
     with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.weight'"): prepare_load(opt, fresh)
-    half = adam(steps=0).named_state_dict()
-    half['state'] = {'0.weight': sd['state']['0.weight']}
-    with pytest.raises(ValueError, match=r"^the state_dict has no state for param '0\.bias'"):
-        prepare_load(opt, half, fresh_ok=True)  # some state: not a fresh checkpoint
+    opt.clear_state()
+    state, hypers = prepare_load(opt, fresh)
+    assert all(s == {} for s in state.values()) and len(state) == 4 and hypers[0]['lr'] == 0.01
 
 
 def test_state_for_a_param_that_keeps_none() -> None:

@@ -1,28 +1,32 @@
 """fastai's Learner, as the only place in cbopt that knows about fastai.
 
-`Learner(dls, model, opt_func=cbopt.Adam)` works unchanged, which needs two things fastai does not tell an optimizer:
+`Learner(dls, model, opt_func=cbopt.Adam)` works unchanged, which needs things fastai does not tell an optimizer:
 
 - **Names.** A Learner hands `opt_func` unnamed param lists (its splitter's output). So that a Learner checkpoint is
   keyed like `learn.model.state_dict()`, and loads into a plain `cbopt.Adam(model.named_parameters())` and back,
-  `name_from_learner` finds the Learner whose `create_opt` is building the optimizer and names the params by
-  `learn.model`'s FQNs.
-- **lr_find's restore.** `lr_find` saves the optimizer before it runs (often still fresh, so with no state) and loads
-  it back after, through `load_model`, which turns any error into a "Could not load the optimizer state" warning. So
-  when fastai's `load_model` is the caller, a checkpoint with no state at all restores the fresh state (as
-  `clear_state()`, flags kept) instead of raising.
+  `from_learner` finds the Learner whose `create_opt` is building the optimizer and names the params by
+  `learn.model`'s FQNs. This is the one place that reads the call stack, because fastai has no hook there:
+  `create_opt` calls `opt_func(splitter(model), lr=lr)` with nothing that leads to the Learner, and no Learner event
+  comes between it and the optimizer's first use (`learn.load` loads right after `create_opt`, `export` reloads its
+  state right after, `save` may come before any `fit`), so the names must be there when `opt_func` returns. The
+  lookup never imports fastai: no frame can be fastai's unless `fastai.learner` is already imported.
+- **Callbacks, for the rest.** Having found the Learner, cbopt gives it its own fastai `Callback`s (once each; later
+  events reach them through fastai's own callback calls, with no stack lookup):
+  - `LRFindRestore`, for **lr_find's restore.** `lr_find` saves the optimizer before it runs (often still fresh, so
+    with no state) and loads it back after, through `load_model`, which turns any error into a "Could not load the
+    optimizer state" warning; a strict load of a checkpoint with no state into an optimizer with state raises. So
+    when an `LRFinder` fits and the optimizer was fresh at `before_fit`, `LRFindRestore` calls `opt.clear_state()`
+    (flags kept) at `after_fit`, just before the `LRFinder` loads: the load of a fresh checkpoint into a fresh
+    optimizer is then the ordinary strict one.
+  - `OptimizerModes`, for **train and eval modes.** A schedule-free optimizer trains at one point and is evaluated at
+    another (the average of its iterates): `opt.eval()` before validating, `opt.train()` before training. fastai
+    calls neither, so a Learner whose optimizer's chains have modes (a `train_mode` hyper) gets `OptimizerModes`.
 
 It also offers `RecordStepStats`, a fastai `Callback` recording what each step used (`opt.step_stats`: the lr of
 every group after warmup and schedulers, the pre-clip grad norm, whether the step was skipped) per batch, for plots
-next to `learn.recorder`'s. It is built on first access, which imports fastai: nothing else here does.
-
-- **Train and eval modes.** A schedule-free optimizer trains at one point and is evaluated at another (the average of
-  its iterates): `opt.eval()` before validating, `opt.train()` before training. fastai calls neither, so when a
-  Learner creates an optimizer whose chains have modes (a `train_mode` hyper), `add_modes_callback` gives the Learner
-  an `OptimizerModes` callback that does (once; built on first use, as `RecordStepStats`).
-
-fastai passes neither hint, so both look up the call stack for fastai.learner's frames. This never imports fastai:
-no frame can be fastai's unless `fastai.learner` is already imported. fastai's `Learner.fit` also calls
-`opt.set_hypers(lr=..., wd=...)` and its schedules set `mom`: every cbopt optimizer accepts those.
+next to `learn.recorder`'s. The callbacks are built on first use, which imports fastai: nothing else here does.
+fastai's `Learner.fit` also calls `opt.set_hypers(lr=..., wd=...)` and its schedules set `mom`: every cbopt optimizer
+accepts those.
 """
 from __future__ import annotations
 
@@ -32,15 +36,16 @@ from types import FrameType
 import torch
 
 from .. import optimizer as _optimizer
+from ..core.flags import split_flags
 
-__all__ = ['fastai_frame', 'learner_model', 'name_from_learner', 'fresh_ok_in_load_model', 'add_modes_callback',
-           'RecordStepStats', 'OptimizerModes']
+__all__ = ['fastai_frame', 'learner', 'learner_model', 'from_learner', 'RecordStepStats', 'OptimizerModes',
+           'LRFindRestore']
 
-MAX_DEPTH = 10  # frames between fastai's create_opt/load_model and cbopt (opt_func partials, Optimizer.__init__)
+MAX_DEPTH = 10  # frames between fastai's create_opt and cbopt (opt_func partials, Optimizer.__init__)
 
 
 def fastai_frame(fn: str, depth: int = MAX_DEPTH) -> FrameType | None:
-    "The frame of fastai.learner's `fn` (`create_opt`, `load_model`, ...) if it is among our `depth` callers."
+    "The frame of fastai.learner's `fn` (`create_opt`) if it is among our `depth` callers."
     mod = sys.modules.get('fastai.learner')
     if mod is None: return None
     frame = sys._getframe(1)
@@ -63,28 +68,23 @@ def learner_model() -> torch.nn.Module | None:
     return getattr(learner(), 'model', None)
 
 
-def name_from_learner(opt) -> None:
-    "Name `opt`'s params by the FQNs of the Learner's model that is creating it (a no-op outside a Learner)."
-    if (model := learner_model()) is not None: opt.name_params(model)
-
-
-def fresh_ok_in_load_model(opt) -> bool:
-    "Whether fastai's `load_model` (lr_find's restore) is loading: then a checkpoint with no state restarts `opt`."
-    return fastai_frame('load_model', MAX_DEPTH + 2) is not None
-
-
-_optimizer.on_create.append(name_from_learner)
-def add_modes_callback(opt) -> None:
-    "Give the Learner creating `opt` an `OptimizerModes` callback if `opt` has train and eval modes (and it has none)."
-    if not any('train_mode' in g for g in opt.param_groups): return
+def from_learner(opt) -> None:
+    """If a Learner's `create_opt` is building `opt`: name its params by the FQNs of the Learner's model, and give the
+    Learner `LRFindRestore` and, if `opt` has train and eval modes, `OptimizerModes` (each once). A no-op outside one."""
     learn = learner()
     if learn is None: return
-    cls = __getattr__('OptimizerModes')
-    if not any(isinstance(cb, cls) for cb in learn.cbs): learn.add_cb(cls())
+    if getattr(learn, 'model', None) is not None: opt.name_params(learn.model)
+    wanted = ['LRFindRestore'] + (['OptimizerModes'] if any('train_mode' in g for g in opt.param_groups) else [])
+    for cls in map(__getattr__, wanted):
+        if not any(isinstance(cb, cls) for cb in learn.cbs): learn.add_cb(cls())
 
 
-_optimizer.load_policies.append(fresh_ok_in_load_model)
-_optimizer.on_create.append(add_modes_callback)
+_optimizer.on_create.append(from_learner)
+
+
+def is_fresh(opt) -> bool:
+    "Whether `opt` holds no algorithm state (flags such as fastai's `do_wd` aside): as built, or after `clear_state()`."
+    return not any(split_flags(opt.state.get(p, {}))[0] for p in opt.params)
 
 
 def _record_step_stats_class() -> type:
@@ -144,12 +144,39 @@ def _optimizer_modes_class() -> type:
     return OptimizerModes
 
 
-_BUILDERS = {'RecordStepStats': _record_step_stats_class, 'OptimizerModes': _optimizer_modes_class}
+def _lr_find_restore_class() -> type:
+    "fastai's `Callback` letting lr_find restore a fresh optimizer (see the module docstring)."
+    from fastai.callback.core import Callback
+    from fastai.callback.schedule import LRFinder
+
+    class LRFindRestore(Callback):
+        """While an `LRFinder` fits: if the optimizer was fresh (no algorithm state) at `before_fit`, `opt.clear_state()`
+        at `after_fit`, just before the `LRFinder` loads back the checkpoint it saved then. So lr_find on a fresh
+        optimizer leaves it fresh (flags kept), through fastai's ordinary strict load, with no warning. Added by cbopt to
+        a Learner that creates a cbopt optimizer."""
+        order = LRFinder.order - 1  # after_fit runs in order: just before the LRFinder's, which loads its checkpoint
+        fresh = False
+
+        def before_fit(self):
+            opt = self.learn.opt
+            self.fresh = (isinstance(opt, _optimizer.Optimizer) and is_fresh(opt)
+                          and any(isinstance(cb, LRFinder) for cb in self.learn.cbs))
+
+        def after_fit(self):
+            if self.fresh and self.learn.opt is not None: self.learn.opt.clear_state()
+            self.fresh = False
+
+    LRFindRestore.__qualname__ = 'LRFindRestore'  # pickled (learn.export) by this module's name, found through __getattr__
+    return LRFindRestore
+
+
+_BUILDERS = {'RecordStepStats': _record_step_stats_class, 'OptimizerModes': _optimizer_modes_class,
+             'LRFindRestore': _lr_find_restore_class}
 _BUILT: dict = {}
 
 
 def __getattr__(name: str):
-    "`RecordStepStats` and `OptimizerModes` are built, importing fastai, only when asked for."
+    "`RecordStepStats`, `OptimizerModes` and `LRFindRestore` are built, importing fastai, only when asked for."
     if name not in _BUILDERS: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _BUILT: _BUILT[name] = _BUILDERS[name]()
     return _BUILT[name]

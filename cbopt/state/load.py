@@ -186,12 +186,12 @@ def _load_value(what: str, value: Any, like: Any) -> Any:
     return type(like)(value) if isinstance(like, Number) and not isinstance(like, bool) else _copied(value)
 
 
-def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict, list]:
+def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
     """Check `sd` against `opt` and build the state to load, without touching `opt`.
     Returns `({param: algorithm state}, [hypers per group])`, the first with the checkpoint's state entries that are
     no param's (`Checkpoint.others`: torch loads them as they are) under their own keys; raises an error naming the param on any mismatch.
-    A param with state here but none in `sd` raises, unless `fresh_ok` and `sd` holds no state at all (a checkpoint
-    of a fresh optimizer, as fastai's `lr_find` makes): then every param restarts."""
+    A param with state here but none in `sd` raises, even when `sd` holds no state at all (a checkpoint of a fresh
+    optimizer): `opt.clear_state()` first restarts it on purpose (as cbopt's fastai `LRFindRestore` does for lr_find)."""
     ck = read_checkpoint(sd)
     matched = _match(opt, ck)
     for k in ck.unlisted:
@@ -199,14 +199,13 @@ def prepare_load(opt: Optimizer, sd: Any, fresh_ok: bool = False) -> tuple[dict,
     if ck.origin == 'torch': ck, matched = _from_torch(opt, ck, matched)
     aligned = _aligned(opt, ck, matched)
     _check_chains(opt, ck, matched, aligned)
-    fresh = fresh_ok and not any(split_flags(s.state)[0] for s in ck.params)
     new_state, expected_cache, k = {}, {}, 0
     for gi, g in enumerate(opt.param_groups):
         for name, p in zip(g['param_names'], g['params']):
             saved, k = split_flags(matched[k].state)[0], k + 1
             saved = {key: v for key, v in saved.items() if key not in transient_keys(g['cbs'])}  # older checkpoints saved them
             cur, flags = split_flags(opt.state.get(p, {}))
-            if cur and not saved and not fresh:
+            if cur and not saved:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")
             if not saved:
