@@ -16,7 +16,7 @@ from .core.chain import (around_params, cb_name, chain_defaults, chain_name, cha
 from .engine import Backend, as_backend
 from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
-from .core.params import check_params, is_group_dict, named_groups
+from .core.params import check_params, distinct_names, is_group_dict, named_groups
 from .core.flags import FLAGS, split_flags
 from .core.initial import initial_state
 from .core.names import canonical_names
@@ -77,6 +77,7 @@ class Optimizer(torch.optim.Optimizer):
         # torch's group dicts with no params are allowed, as torch allows them: ZeroRedundancyOptimizer gives a rank
         # that owns nothing one; other forms with no params are a slip (a spent generator, empty lists)
         if not dicts and not any(g['params'] for g in groups): raise ValueError("optimizer got an empty parameter list")
+        distinct_names(groups)  # (names given in several groups: `<group>/<name>`, see cbopt.core.params)
         check_params(groups)
         for alias, canon in ALIASES.items():
             if alias in defaults and canon in defaults and defaults[alias] != defaults[canon]:
@@ -125,7 +126,10 @@ class Optimizer(torch.optim.Optimizer):
         "Add a group (any accepted params form under `params`); missing hypers come from `defaults`."
         if not isinstance(param_group, Mapping): raise TypeError(f"param_group must be a dict, not {type(param_group).__name__}")
         groups = named_groups([{**param_group}], start=sum(len(g['params']) for g in self.param_groups))
-        check_params(groups, known=self.named_params())
+        names = [{'param_names': list(g['param_names'])} for g in self.param_groups] + groups
+        distinct_names(names)  # (a name the groups have already: both keyed by their group; renamed once it joins)
+        check_params(groups, known={n: p for g, mine in zip(names, self.param_groups)
+                                    for n, p in zip(g['param_names'], mine['params'])})
         g = self._with_chain(groups[0])
         _check_complex(g, len(self.param_groups))
         if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
@@ -137,6 +141,7 @@ class Optimizer(torch.optim.Optimizer):
             if k not in ALIASES: g.setdefault(k, v)
         if flat_model_keys(g['cbs']):  # a callback with flat state in another group too is refused, before it joins
             engine.model_plan([*self.param_groups, g])  # (only such a callback can make the groups conflict)
+        for mine, renamed in zip(self.param_groups, names): mine['param_names'] = renamed['param_names']
         self.param_groups.append(g)
         if not self._building:
             if self.group_layers is not None:  # a layer group of its own

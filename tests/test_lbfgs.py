@@ -7,6 +7,7 @@ runs it through what they check (every backend, resume, torch's state_dict)."""
 from __future__ import annotations
 
 import copy
+import math
 import io
 
 import pytest
@@ -300,3 +301,29 @@ def test_fastai_learner_gets_a_clear_error():
     learn.logger = lambda *a: None
     with pytest.raises(RuntimeError, match=r"call opt.step\(closure\).*a fastai Learner steps without a closure"):
         learn.fit(1)
+
+
+@pytest.mark.parametrize('kw', [dict(tolerance_grad=math.inf), dict(tolerance_grad=-math.inf),
+                                dict(tolerance_change=math.inf), dict(tolerance_grad=-1.0)])
+def test_accepts_what_torchs_accepts(kw):
+    """torch's LBFGS takes any tolerance (inf: stop at once; -inf: never stop on the grad): cbopt.optim's too, stepping
+    as torch's and returning the same type."""
+    m, ref = _lbfgs_model(), _lbfgs_model()
+    opt, torch_opt = cbopt.optim.LBFGS(m.parameters(), **kw), torch.optim.LBFGS(ref.parameters(), **kw)
+    for o, mod in ((opt, m), (torch_opt, ref)):
+        out = o.step(lambda: _lbfgs_loss(o, mod))
+        assert isinstance(out, torch.Tensor)
+    for p, q in zip(m.parameters(), ref.parameters()): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _lbfgs_model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _lbfgs_loss(opt, model):
+    opt.zero_grad()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss

@@ -383,6 +383,24 @@ def test_state_dict_hooks_as_torchs(name):
     assert ours['pre'] == 1 and ours['post'] == (1, False) and ours['load_prepend'] == 0.002 and ours['post_order']
 
 
+@pytest.mark.parametrize('name', sorted(n for n, info in INFOS.items() if 'fused' in info.supported_impls))
+def test_fused_on_meta_params_raises_as_torch(name):
+    """fused=True on params built on the meta device: torch's RuntimeError at the step (its words), nothing stepped;
+    once the model is materialised the same optimizer steps, as torch's."""
+    for cls in (getattr(torch.optim, name), getattr(cbopt.optim, name)):
+        with torch.device('meta'): model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+        opt = cls(model.parameters(), fused=True)
+        with torch.device('meta'):
+            for p in model.parameters(): p.grad = torch.rand_like(p)
+        with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.to_empty(device='cpu')
+        for p in model.parameters(): p.grad = torch.rand_like(p)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
 @pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True), dict(fused=True)])
 def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):

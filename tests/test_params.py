@@ -139,12 +139,56 @@ def test_param_in_two_groups():
 
 
 def test_duplicate_name():
+    "A name repeated within one group is refused; across groups see test_names_repeated_across_groups."
     a, b = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
     with pytest.raises(ValueError, match=r"duplicate param name 'w'"):
-        Optimizer([{'params': {'w': a}}, {'params': [('w', b)]}], CBS)
-    enc, head = models()  # two models whose own names collide
+        Optimizer([{'params': [('w', a), ('w', b)]}], CBS)
+    enc, head = models()  # two models whose own names collide, in one group
     with pytest.raises(ValueError, match=r"duplicate param name 'weight'"):
-        Optimizer([list(head.named_parameters()), list(nn.Linear(2, 2).named_parameters())], CBS)
+        Optimizer([*head.named_parameters(), *nn.Linear(2, 2).named_parameters()], CBS)
+
+
+def test_names_repeated_across_groups():
+    """Groups built from submodules' `named_parameters()` (`weight`, `bias` in every group) are accepted, as torch
+    accepts them; cbopt keys each such name `<group>/<name>`, and their checkpoints load by position both ways with
+    torch's (whose param_names are the bare names, which name no param once: torch loads them by position too)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    m, ref = model(), model()
+    groups = lambda mod: [{'params': mod[0].named_parameters()}, {'params': mod[1].named_parameters(), 'lr': 0.1}]
+    opt, torch_opt = cbopt.optim.Adam(groups(m), lr=0.01), torch.optim.Adam(groups(ref), lr=0.01)
+    assert opt.param_names == ['0/weight', '0/bias', '1/weight', '1/bias']
+    assert [g['param_names'] for g in torch_opt.param_groups] == [['weight', 'bias'], ['weight', 'bias']]
+    for o, mod in ((opt, m), (torch_opt, ref)):
+        for step in range(3):
+            o.zero_grad()
+            mod(torch.randn(5, 3, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(m.parameters(), ref.parameters()): torch.testing.assert_close(p, q)
+    mine = cbopt.optim.Adam([{'params': m[0].parameters()}, {'params': m[1].parameters(), 'lr': 0.1}])
+    mine.load_state_dict(torch_opt.state_dict())  # torch's bare names: by position
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(mine.state[p]['grad_avg'], torch_opt.state[q]['exp_avg'])
+    assert mine.param_names == opt.param_names  # its unnamed params take the checkpoint's names, as torch's groups do
+    theirs = torch.optim.Adam(groups(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))), lr=0.01)
+    theirs.load_state_dict(opt.state_dict())
+    assert [len(s) for s in theirs.state.values()] == [3] * 4
+    with pytest.raises(ValueError, match=r"param group 1 has 2 params in the torch state_dict, 1 here"):
+        cbopt.optim.Adam([{'params': m[0].parameters()}, {'params': [m[1].weight]}]).load_state_dict(torch_opt.state_dict())
+    opt.add_param_group({'params': [('bias', nn.Parameter(torch.zeros(2)))]})  # a name the groups have: keyed by group
+    assert opt.param_names[-1] == '2/bias' and opt.param_names[:2] == ['0/weight', '0/bias']
+    assert torch.optim.Adam(groups(model())).param_groups  # (torch's accepts what was added too)
+
+
+def test_param_in_two_groups_has_torchs_message():
+    "torch's words (its test_errors matches them), for the constructor and add_param_group alike, as torch's."
+    a = nn.Parameter(torch.zeros(2))
+    for cls in (torch.optim.SGD, cbopt.optim.SGD):
+        with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+            cls([{'params': a}, {'params': a}], lr=0.1)
+        with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+            cls([a], lr=0.1).add_param_group({'params': [a]})
 
 
 def test_non_leaf():

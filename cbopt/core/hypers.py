@@ -209,9 +209,10 @@ HYPER_RULES: dict[str, tuple[str, str, str, Callable[[Any], bool]]] = {
     'every':       ('Invalid every value', 'an int >= 1', "accumulate_grads' micro-steps per step", _is_in(1)),
     'max_iter':    ('Invalid max_iter value', 'an int >= 0', "LBFGS's iterations per step", _is_in(0)),
     'history_size': ('Invalid history_size value', 'an int >= 1', "LBFGS's curvature pairs kept", _is_in(1)),
-    'tolerance_grad': ('Invalid tolerance_grad value', 'tolerance_grad >= 0', '', _is_in(0)),
-    'tolerance_change': ('Invalid tolerance_change value', 'tolerance_change >= 0', '', _is_in(0)),
+    'tolerance_grad': ('Invalid tolerance_grad value', 'a number', "LBFGS's: inf stops at once, -inf never", _is_in(-math.inf)),
+    'tolerance_change': ('Invalid tolerance_change value', 'a number', "LBFGS's: as torch's, any number", _is_in(-math.inf)),
 }
+INF_OK = ('tolerance_grad', 'tolerance_change')  # thresholds torch's LBFGS compares with: an infinite one is meaningful
 INT_HYPERS = ('k', 'every', 'max_iter', 'history_size')
 FLAG_HYPERS = ('nesterov', 'clip', 'train_mode', 'in_place')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
@@ -256,7 +257,7 @@ def check_hyper(k: str, v: Any, group: int | None = None) -> None:
     elif (isinstance(v, bool) and k not in BOOL_OK) or not isinstance(v, Integral if k in INT_HYPERS else Real):
         kind = 'an int' if k in INT_HYPERS else 'a number (or a 1-element tensor)'
         raise TypeError(f"hyper {k!r}{where} got a {type(v).__name__} ({v!r}): expected {kind}")
-    if not (_finite(v) and ok(v)): raise ValueError(f"{start}: {v}{where} (expected {rule}, finite{'; ' + note if note else ''})")
+    if not ((_finite(v) or k in INF_OK) and ok(v)): raise ValueError(f"{start}: {v}{where} (expected {rule}, finite{'; ' + note if note else ''})")
 
 
 def expand_hyper(k: str, v: Any, n: int) -> list:

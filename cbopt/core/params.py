@@ -15,7 +15,7 @@ from torch import nn
 from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, TORCH_NAMES, check_hyper, from_torch_names
 from .names import canonical_names
 
-__all__ = ['named_groups', 'check_params', 'is_group_dict']
+__all__ = ['named_groups', 'check_params', 'is_group_dict', 'distinct_names', 'GROUP_SEP']
 
 # torch's own wording (torch/optim/optimizer.py), then why it matters here
 SET_MSG = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets will "
@@ -162,11 +162,33 @@ def check_group_hypers(g: Mapping, i: int) -> None:
         if k not in NOT_HYPERS: check_hyper(k, v, i)
 
 
+GROUP_SEP = '/'  # a name given in several groups is keyed `<group index>/<name>` (no module FQN holds a '/')
+
+
+def distinct_names(groups: list[dict]) -> None:
+    """Key each name given in more than one group as `<group index>/<name>` (`GROUP_SEP`), in place. torch accepts such
+    groups (each built from a submodule's `named_parameters()`: `weight` and `bias` in every group) and keeps the bare
+    names, loading by position; cbopt keys state by name, so it makes them distinct, keeping the group they are in in
+    the key (`opt.name_params(model)` keys them by their FQNs instead). A name repeated within one group stays a
+    duplicate (`check_params` refuses it)."""
+    def bare(n: str) -> str:  # (a name keyed so already: its given name)
+        head, sep, rest = n.partition(GROUP_SEP)
+        return rest if sep and head.isdigit() else n
+    where: dict[str, set] = {}
+    for i, g in enumerate(groups):
+        for n in g['param_names']: where.setdefault(bare(n), set()).add(i)
+    shared = {n for n, gs in where.items() if len(gs) > 1}
+    if not shared: return
+    for i, g in enumerate(groups):
+        if any(n in shared for n in g['param_names']):
+            g['param_names'] = [f'{i}{GROUP_SEP}{n}' if n in shared else n for n in g['param_names']]
+
+
 def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = None) -> None:
     """Raise a clear error naming the culprit for a non-float (or complex), non-leaf, duplicated or doubly named param, or a
     bad hyper in a group dict (`groups` come from `named_groups`, which refuses anything but tensors)."""
     seen_names = dict(known or {})
-    seen_ids = {id(t): n for n, t in seen_names.items()}
+    seen_ids = {id(t): (n, None) for n, t in seen_names.items()}  # (name, group index here: None for `known`)
     for i, g in enumerate(groups):
         for name, t in zip(g['param_names'], g['params']):
             if not t.is_floating_point() and not t.is_complex():
@@ -174,8 +196,12 @@ def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = 
             if not t.is_leaf and not t.retains_grad:
                 raise ValueError(f"param {name!r} (group {i}) is not a leaf tensor: optimize the tensor it was computed from")
             if id(t) in seen_ids:
-                raise ValueError(f"param {name!r} (group {i}) is the same tensor as {seen_ids[id(t)]!r}: "
+                other, j = seen_ids[id(t)]
+                if j != i:  # torch's words (its test_errors matches them), then which param
+                    raise ValueError(f"some parameters appear in more than one parameter group: param {name!r} (group "
+                                     f"{i}) is the same tensor as {other!r} ({'an earlier group' if j is None else f'group {j}'})")
+                raise ValueError(f"param {name!r} (group {i}) is the same tensor as {other!r}: "
                                  "a param may appear only once, in one group")
             if name in seen_names: raise ValueError(f"duplicate param name {name!r} (group {i})")
-            seen_names[name], seen_ids[id(t)] = t, name
+            seen_names[name], seen_ids[id(t)] = t, (name, i)
         check_group_hypers(g, i)

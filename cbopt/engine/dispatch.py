@@ -46,6 +46,17 @@ def check_grads(opt) -> None:
                 raise TypeError(f"param {name!r} has dtype {p.dtype} but its grad has dtype {grad.dtype}")
 
 
+def _check_fused_devices(buckets) -> None:
+    """torch's fused optimizers refuse params on the 'meta' device (a model built there to be materialised later), where
+    no kernel runs: torch's words (its test matches them), naming the param, before anything steps."""
+    for b in buckets:
+        if b.params and b.params[0].is_meta:
+            name = b.group['param_names'][next(i for i, p in enumerate(b.group['params']) if p is b.params[0])]
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices "
+                               f"(not 'meta'): param {name!r} is on the meta device; materialise the model first "
+                               "(model.to_empty(device=...))")
+
+
 def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None,
                  loss_scale: torch.Tensor | None = None) -> None:
     """The per-param chains over every param with a grad, with each group's hypers for this step (`check`: the grads).
@@ -65,7 +76,9 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
             with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
-    for b in bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None):
+    buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
+    if kind == 'fused': _check_fused_devices(buckets)
+    for b in buckets:
         hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
         with as_real(b) as b:  # complex params step as torch's do: on their real views
             if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):

@@ -96,6 +96,7 @@ class Checkpoint(NamedTuple):
     sizes: list[int] | None
     origin: str  # 'cbopt', 'torch' or 'fastai'
     unlisted: list = []  # keys of the state that no group lists (an error once the params are matched)
+    by_name: bool = False  # its groups list their params by name (cbopt's named layout, DCP's load dicts)
     others: dict = {}  # state entries that are no param's (keys not of the groups' kind: a hook's), loaded as they are
 
 
@@ -152,7 +153,7 @@ def _read_groups(sd: Mapping) -> Checkpoint:
     # entries of `opt.state` (a state_dict pre-hook's) as they are, and loads them back as they are
     kinds = {type(k) for k in listed}
     return Checkpoint(params, groups, [len(g['params']) for g in sd['param_groups']], 'cbopt' if ours else 'torch',
-                      [k for k in state if k not in listed and (type(k) in kinds or not kinds)],
+                      [k for k in state if k not in listed and (type(k) in kinds or not kinds)], str in kinds,
                       {k: v for k, v in state.items() if k not in listed and kinds and type(k) not in kinds})
 
 

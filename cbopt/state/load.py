@@ -21,6 +21,7 @@ from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TOR
                       chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_entries, torch_model_state,
                       torch_state, torch_state_names)
 from ..core.names import canonical_names, is_positional
+from ..core.params import distinct_names
 
 from ..core.initial import chain_initial_state, initial_state
 from .save import _copied
@@ -36,7 +37,7 @@ def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
     checkpoint group it was saved in. By name when both sides name their params (wrapper prefixes removed: `names`),
     so the groupings may differ; by position otherwise, as torch does, in the same groups."""
     ours, theirs = opt.param_names, [s.name for s in ck.params]
-    if not is_positional(ours) and not is_positional(theirs):
+    if not is_positional(ours) and not is_positional(theirs) and not _group_local_names(ck):
         index: dict[str, Saved] = {}
         for n, s in zip(canonical_names(theirs), ck.params):
             if n in index: raise ValueError(f"param {n!r} appears twice in the state_dict")
@@ -64,6 +65,37 @@ def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
             raise ValueError(f"param group {i} has {theirs_n} params in {what}, {ours_n} here (its params have no "
                              "names to match them by, so they are matched by position)")
     return ck.params
+
+
+def _group_local_names(ck: Checkpoint) -> bool:
+    """Whether the checkpoint's names repeat across its groups but not within one, in torch's layout (integer ids with
+    `param_names`): torch's groups built from submodules' `named_parameters()` name a `weight` in every group. Those
+    names name no param; torch loads such a checkpoint by position, and so does cbopt. (In the layout keyed by names
+    a repeated name is refused: its state would be one entry for two params.)"""
+    if ck.by_name: return False
+    seen: dict[str, int] = {}
+    repeated = False
+    for s, n in zip(ck.params, canonical_names([str(s.name) for s in ck.params])):
+        if n in seen:
+            if seen[n] == s.group: return False  # (within a group: refused by the match by name)
+            repeated = True
+        seen[n] = s.group
+    return repeated
+
+
+def adopted_names(opt: Optimizer, ck: Checkpoint, matched: list[Saved]) -> list[list[str]] | None:
+    """The checkpoint's names for each group's params, when this optimizer's params have none (positions) and the
+    checkpoint's, matched by position, have: torch's load keeps a state_dict's `param_names` in the groups that have
+    none, so a named checkpoint names an unnamed optimizer's params. None when there is nothing to adopt."""
+    theirs = [s.name for s in matched]
+    if not is_positional(opt.param_names) or is_positional(theirs) or None in theirs: return None
+    names, k = [], 0
+    for g in opt.param_groups:
+        names.append({'param_names': canonical_names(theirs[k:k + len(g['params'])]) if g['params'] else []})
+        k += len(g['params'])
+    distinct_names(names)
+    if len({n for g in names for n in g['param_names']}) != len(theirs): return None  # (repeated within a group: keep ours)
+    return [g['param_names'] for g in names]
 
 
 def _check_chains(opt: Optimizer, ck: Checkpoint, matched: list[Saved], aligned: bool) -> None:
@@ -229,6 +261,8 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
     for i, h in enumerate(hypers):  # a corrupt checkpoint must not load a NaN lr
         for key, v in h.items(): check_hyper(key, v, i)
+    if (names := adopted_names(opt, ck, matched)) is not None:
+        for h, n in zip(hypers, names): h['param_names'] = n
     if ck.origin == 'cbopt' or any(model_entries(g) for g in ck.groups):  # torch's and fastai's have none: ours stay
         starts = [0]
         for g in opt.param_groups: starts.append(starts[-1] + len(g['params']))

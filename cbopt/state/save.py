@@ -48,7 +48,8 @@ def torch_state_dict(opt: Optimizer) -> dict:
     """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
     `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
     named = named_state_dict(opt)
-    ids = {n: i for i, n in enumerate(opt.param_names)}
+    ids: dict = {}  # a param listed again (torch's test: a group list extended by itself) keeps its first id, as torch's
+    for i, n in enumerate(opt.param_names): ids.setdefault(n, i)
     groups = [{**{k: v for k, v in g.items() if k != 'params'}, 'param_names': g['params'],
                'params': [ids[n] for n in g['params']]} for g in named['param_groups']]
     return {'state': {ids[n]: s for n, s in named['state'].items()}, 'param_groups': groups}
