@@ -5,8 +5,9 @@ rounding), and the optimizer is a full cbopt `Optimizer` (named state, `backend`
 maps torch's arguments onto a cbopt chain and fastai's hyper names (`betas` are `mom`/`sqr_mom`, `weight_decay` is
 `wd`, RMSprop's `alpha` is `sqr_mom`...), in keywords and in group dicts alike. torch's implementation switches choose
 cbopt's backend: `foreach=True` is `'foreach'`, `foreach=False` is `'loop'`, `fused=True` is `'fused'`, neither is
-`'auto'`. `capturable` is accepted and changes nothing (cbopt's step count is a Python number; on CPU torch's capturable
-path computes the same numbers); `differentiable=True` is refused (cbopt steps in place under `no_grad`).
+`'auto'`. `capturable` is accepted and changes nothing (the engine's step count is a Python number; on CPU torch's
+capturable path computes the same numbers); `differentiable=True` is refused (cbopt steps in place under `no_grad`).
+`opt.state` shows each param's state as the torch class keeps it (`cbopt.state.torch_view`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .recipes import torch_optim as _torch
 from .callbacks.fastai import average_sqr_grad, step_stat
 from .core.hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
 from .optimizer import Optimizer
+from .state.torch_view import TorchState
 from .recipes.fastai import _decay, maximizing
 from .callbacks.torch_optim import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
 
@@ -69,6 +71,15 @@ class TorchOptimizer(Optimizer):
     `state_dict(format='cbopt')` has cbopt's names. Both load back."""
     torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
     state_dict_format = 'torch'
+
+    @property
+    def state(self) -> TorchState:
+        """Each param's state as the torch class keeps it (`exp_avg`, `step` a 0-d float tensor...): a view over the
+        engine's own state dicts, which keep cbopt's names (`cbopt.state.torch_view`)."""
+        return TorchState(self)
+
+    @state.setter
+    def state(self, state: dict) -> None: self.__dict__['state'] = state  # (the engine's: `core.runtime.param_states`)
 
     @property
     def torch_class(self) -> type:

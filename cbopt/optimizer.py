@@ -20,6 +20,7 @@ from .core.params import check_params, distinct_names, is_group_dict, named_grou
 from .core.flags import FLAGS, split_flags
 from .core.initial import initial_state
 from .core.names import canonical_names
+from .core.runtime import param_states
 from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
 
 __all__ = ['Optimizer', 'rechain', 'on_create']
@@ -191,7 +192,7 @@ class Optimizer(torch.optim.Optimizer):
     def all_params(self, n: slice | int = slice(None), with_grad: bool = False) -> L:
         "(param, group, state, hypers) tuples for the groups `n`, optionally only those with a grad (as fastai's)."
         groups = self.param_groups[n] if isinstance(n, slice) else [self.param_groups[n]]
-        res = L((p, g, self.state[p], Hypers(g)) for g in groups for p in g['params'])
+        res = L((p, g, param_states(self)[p], Hypers(g)) for g in groups for p in g['params'])
         return res.filter(lambda o: o[0].grad is not None) if with_grad else res
 
     # -- hypers --------------------------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class Optimizer(torch.optim.Optimizer):
             warnings.warn(f"Freezing {self.frozen_idx} groups; model has {total}; whole model is frozen.")
         for layer, g in zip(self.layers, self.param_groups):
             for p in g['params']:
-                p.requires_grad_(layer >= self.frozen_idx or self.state[p].get('force_train', False))
+                p.requires_grad_(layer >= self.frozen_idx or param_states(self)[p].get('force_train', False))
 
     def freeze(self) -> None:
         if self.n_layers < 2: raise ValueError("freeze() needs at least two param groups (use a splitter)")
@@ -234,7 +235,7 @@ class Optimizer(torch.optim.Optimizer):
         """Forget all algorithm state, keeping the per-param flags (`do_wd`, `force_train`); whole-model callbacks'
         state (in the group entries) restarts from its declared values."""
         for p in self.params:
-            if p in self.state: self.state[p] = {k: v for k, v in self.state[p].items() if k in self._keep_on_clear}
+            if p in (states := param_states(self)): states[p] = {k: v for k, v in states[p].items() if k in self._keep_on_clear}
         for g in self.param_groups:
             for k in [k for k in g if is_model_entry(k)]: del g[k]
         engine.forget_state(self)
@@ -247,8 +248,8 @@ class Optimizer(torch.optim.Optimizer):
         values before a first step (training on then differs). No param changes."""
         for g in self.param_groups:
             for p in g['params']:
-                if not split_flags(self.state.get(p, {}))[0]:
-                    self.state[p].update(initial_state(self, p, g))
+                if not split_flags(param_states(self).get(p, {}))[0]:
+                    param_states(self)[p].update(initial_state(self, p, g))
         engine.init_model_state(self)
 
     # -- modes (schedule-free: train at one point, evaluate at another) ------------------------------------------
@@ -264,7 +265,7 @@ class Optimizer(torch.optim.Optimizer):
             fns = [f for cb in param_chain(g['cbs']) if (f := getattr(unwrap(cb), hook, None)) is not None]
             hyper = Hypers(g).snapshot()
             for p in g['params']:
-                state = split_flags(self.state.get(p, {}))[0]
+                state = split_flags(param_states(self).get(p, {}))[0]
                 if state:
                     for f in fns: f(p, **{**state, **hyper})
             g['train_mode'] = mode
@@ -318,7 +319,7 @@ class Optimizer(torch.optim.Optimizer):
         sd = torch_state_dict(self) if fmt == 'cbopt' else torch_class_state_dict(self, fmt)
         # entries of `self.state` that are no param's (a pre-hook's `opt.state['x'] = ...`) are saved as they are, as
         # torch saves them: its post-hooks and loaders see them
-        sd['state'].update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
+        sd['state'].update((k, v) for k, v in param_states(self).items() if not isinstance(k, torch.Tensor))
         return _run_hooks(self._optimizer_state_dict_post_hooks, self, sd)
 
     def named_state_dict(self) -> dict:
@@ -340,10 +341,11 @@ class Optimizer(torch.optim.Optimizer):
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         new_state, new_hypers = prepare_load(self, state_dict)
         def commit() -> None:
-            for k in [k for k in self.state if not isinstance(k, torch.Tensor)]: del self.state[k]
+            states = param_states(self)
+            for k in [k for k in states if not isinstance(k, torch.Tensor)]: del states[k]
             for k, v in new_state.items():  # the entries that are no param's: the checkpoint's, as torch loads them
-                if not isinstance(k, torch.Tensor): self.state[k] = v
-            for p in self.params: self.state[p] = {**new_state[p], **split_flags(self.state.get(p, {}))[1]}
+                if not isinstance(k, torch.Tensor): states[k] = v
+            for p in self.params: states[p] = {**new_state[p], **split_flags(states.get(p, {}))[1]}
             for g, h in zip(self.param_groups, new_hypers): g.update(h)
             engine.forget_state(self)
             _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
@@ -384,7 +386,7 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     res = Optimizer(groups, new_chain(opt.cbs), backend=opt.backend_options, **{**opt.defaults, **hypers})
     for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state
     for p in opt.params:
-        if p in opt.state: res.state[p] = opt.state[p]
+        if p in param_states(opt): param_states(res)[p] = param_states(opt)[p]
     res.frozen_idx = opt.frozen_idx
     if opt.group_layers is not None: res.split_groups(opt.group_layers, opt.n_layers)
     engine.init_model_state(res)

@@ -138,11 +138,13 @@ def test_step_count_and_grads_under_compile():
         for o in (opt, ref): o.zero_grad()
     assert graphs() == 1
     assert_tensors_close(list(model.parameters()), list(ref_model.parameters()))
-    count = opt.state[model[0].weight]['step']
+    count = cbopt.core.runtime.param_states(opt)[model[0].weight]['step']  # (the engine's count: opt.state shows torch's)
     assert isinstance(count, torch.Tensor) and count.dtype == torch.float64 and count.item() == 9
+    shown = opt.state[model[0].weight]['step']
+    assert shown.dtype == torch.float32 and shown.device.type == 'cpu' and shown.item() == 9
     sd = opt.state_dict(format='cbopt')
     assert all(type(s['step']) is int and s['step'] == 9 for s in sd['state'].values())
-    assert opt.state_dict()['state'][0]['step'] == 9.0  # (torch's format: a float, as torch.optim.Adam's tensor holds)
+    assert opt.state_dict()['state'][0]['step'] == 9.0  # (torch's format: a 0-d float32 tensor, as torch.optim.Adam's)
     ref.load_state_dict(sd)
     opt.load_state_dict(ref.state_dict())
     assert opt.state[model[0].weight]['step'].item() == 9

@@ -518,3 +518,48 @@ def test_l2_adam_fused_is_torchs_fused_adam(flags, monkeypatch):
         assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads))
     for p, q in zip(m.parameters(), ref.parameters()): assert torch.equal(p, q)
     assert calls == [(flags.get('maximize', False), flags.get('amsgrad', False))] * 80
+
+
+# -- live state and groups as torch shows them -------------------------------------------------------------------------
+def _described(v):
+    "What torch code sees of a state value: its kind, and a tensor's dtype, device and shape."
+    return (type(v).__name__, v.dtype, v.device, tuple(v.shape)) if isinstance(v, torch.Tensor) else (type(v).__name__,)
+
+
+@pytest.mark.parametrize('name,config,kwargs', [c for c in configs() if c.values[0] != 'LBFGS'])
+def test_live_state_is_torchs(name, config, kwargs):
+    """After N steps beside the torch class on the same batches, `opt.state[p]` has torch's keys, each value of
+    torch's kind (`step` a 0-d float32 CPU tensor), dtype, device and shape, and torch's values."""
+    for impl in impls(name, config)[:2]:
+        m, ref = _model(), _model()
+        backend = impl.pop('backend', None)
+        opt = getattr(cbopt.optim, name)(_params(name, m), **_kw(kwargs), **impl)
+        if backend: opt.backend = backend
+        torch_opt = getattr(torch.optim, name)(_params(name, ref), **_kw(kwargs), **impl)
+        _run(opt, m, N_STEPS)
+        _run(torch_opt, ref, N_STEPS)
+        assert len(opt.state) == len(torch_opt.state)
+        for p, q in zip(_params(name, m), _params(name, ref)):
+            ours, theirs = opt.state[p], torch_opt.state[q]
+            assert {k: _described(v) for k, v in ours.items()} == {k: _described(v) for k, v in theirs.items()}
+            for k, v in theirs.items():
+                torch.testing.assert_close(ours[k], v, rtol=1e-4, atol=1e-6, msg=lambda m: f'{name} {k}: {m}')
+
+
+def test_live_state_writes_reach_the_step():
+    "Writes through torch's names reach the engine's state: a zeroed `exp_avg`, a `step` set back, a whole new dict."
+    m, ref = _model(), _model()
+    opt, torch_opt = cbopt.optim.Adam(m.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    _run(opt, m, 3)
+    _run(torch_opt, ref, 3)
+    for o, mod in ((opt, m), (torch_opt, ref)):
+        w, b = mod[0].weight, mod[0].bias
+        o.state[w]['exp_avg'].zero_()
+        o.state[w]['step'] = torch.tensor(1.)
+        o.state[b] = {k: v.clone() * 0.5 if k != 'step' else torch.tensor(7.) for k, v in o.state[b].items()}
+    assert opt.state[m[0].bias]['step'] == 7 and cbopt.core.runtime.param_states(opt)[m[0].bias]['step'] == 7
+    _run(opt, m, 2, start=3)
+    _run(torch_opt, ref, 2, start=3)
+    assert_rel_close(m, ref, 2e-5)
+    assert float(opt.state[m[0].weight]['step']) == 3. and 'grad_avg' in opt.state[m[0].weight]  # (cbopt's name: an alias)
+    assert list(opt.state[m[0].weight]) == ['exp_avg', 'exp_avg_sq', 'step']

@@ -10,6 +10,7 @@ import torch
 from .chain import init_chain_state, is_declared, param_chain, run_chain, transient_keys
 from .flags import split_flags
 from .hypers import Hypers
+from .runtime import param_states
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -18,7 +19,7 @@ __all__ = ['initial_state', 'chain_initial_state']
 
 def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
     """The state `group`'s chain keeps for `p` before its first step (see `chain_initial_state`), with `p`'s flags."""
-    return chain_initial_state(group['cbs'], p, Hypers(group), split_flags(opt.state.get(p, {}))[1])
+    return chain_initial_state(group['cbs'], p, Hypers(group), split_flags(param_states(opt).get(p, {}))[1])
 
 
 def chain_initial_state(cbs: list, p: Any, hyper: Mapping, flags: Mapping | None = None) -> dict:

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-__all__ = ['runtime', 'forget_state', 'warn_once', 'user_stacklevel']
+__all__ = ['runtime', 'param_states', 'forget_state', 'warn_once', 'user_stacklevel']
 
 
 class Runtime:
@@ -23,6 +23,15 @@ class Runtime:
         self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...]}
         self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`engine.flat.flat_inputs`)
         self.bucket_plan = None       # the last step's buckets, checked at the next (`buckets.planned_buckets`)
+
+
+def param_states(opt) -> dict:
+    """The optimizer's per-param state dicts as the engine keeps them, by cbopt's names (`grad_avg`, `step` a Python
+    number): `opt.state` itself, but for `cbopt.optim`'s classes, whose `opt.state` shows each param's state as their
+    torch class keeps it (`exp_avg`, `step` a tensor: `cbopt.state.torch_view`) over these same dicts. Every reader
+    and writer inside cbopt goes through here, so the renaming costs the engine nothing."""
+    d = opt.__dict__.get('state')
+    return opt.state if d is None else d
 
 
 _RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -19,7 +19,7 @@ import torch
 from ..core.chain import chain_scope, param_chain
 from ..core.dtensor import is_dtensor, layout_key
 from ..core.tensorlist import TensorList
-from ..core.runtime import runtime
+from ..core.runtime import param_states, runtime
 
 __all__ = ['Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
            'cache_chunks', 'model_buckets', 'as_real']
@@ -72,7 +72,7 @@ def _bucket_key(gi: int, p, st: dict, by_rank: bool) -> tuple:
 
 def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
     "`buckets`, by their keys."
-    out, state = {}, opt.state
+    out, state = {}, param_states(opt)
     for gi, g in enumerate(opt.param_groups):
         by_rank = chain_scope(g['cbs']) == 'tensor'  # such a chain may keep state by rank (`chain.declared_for`)
         for p in g['params']:
@@ -123,7 +123,7 @@ class BucketPlan:
         self.keys = list(keyed)
         per_group = Counter(k[0] for k in self.keys)  # buckets that could merge: those of a group with several (one
         self.mergeable = [i for i, k in enumerate(self.keys) if per_group[k[0]] > 1]  # param group per layer: none)
-        self.state = opt.state
+        self.state = param_states(opt)
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]
         plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked)
@@ -157,13 +157,13 @@ class BucketPlan:
     def current(self, opt) -> list[Bucket] | None:
         """The plan's buckets if nothing they depend on changed since it was made, else None. A grad that
         `on_odd_grad` let pass then has the same dtype, shape and layout now (the metadata check): it passes again."""
-        if self.guard is None or opt.state is not self.state or len(opt.param_groups) != len(self.groups): return None
+        if self.guard is None or param_states(opt) is not self.state or len(opt.param_groups) != len(self.groups): return None
         for g, (g0, _, cbs, _) in zip(opt.param_groups, self.groups):
             if g is not g0 or len(g['cbs']) != len(cbs) or not all(map(is_, g['cbs'], cbs)): return None
         try:
             ts = self._tensors(opt)
             if ts is None or not self.guard.check(*ts): return None
-            state = opt.state
+            state = param_states(opt)
             for b in self.buckets:  # the same state dicts (a load gives each param a new one)
                 if not all(map(is_, map(state.__getitem__, b.params), b.states)): return None
             keys = [_bucket_key(k[0], b.params[0], b.states[0], k[5] is not None)
@@ -236,7 +236,7 @@ def model_buckets(opt, groups: list) -> list[tuple[TensorList, list]]:
             if p.grad is None: continue
             ps, states = out.setdefault((p.device, p.dtype, p.grad.dtype, layout_key(p.grad)), ([], []))
             ps.append(p)
-            states.append(opt.state[p])
+            states.append(param_states(opt)[p])
     res = []
     for ps, states in out.values():
         tl = TensorList(ps)

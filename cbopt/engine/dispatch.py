@@ -15,6 +15,7 @@ from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
 from .scaling import scale_grads, unscale_grads
+from ..core.runtime import param_states
 
 __all__ = ['RUNNERS', 'check_grads', 'run_buckets']
 
@@ -73,7 +74,7 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
         for g, ps in todo:
             if not ps: continue
             if id(g) in scales: scale_grads(ps, *scales[id(g)])
-            with as_real(Bucket(g, ps, [opt.state[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
+            with as_real(Bucket(g, ps, [param_states(opt)[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)

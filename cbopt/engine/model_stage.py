@@ -12,6 +12,7 @@ from ..core.initial import initial_state
 from .buckets import model_buckets
 from .dispatch import run_buckets
 from .scaling import pay_scales
+from ..core.runtime import param_states
 
 __all__ = ['model_plan', 'init_model_state', 'uses_closure', 'run_model_step']
 
@@ -57,7 +58,7 @@ def init_model_state(opt, plan: tuple | None = None) -> None:
         if not per_param: continue
         for g in groups:
             for p in g['params']:
-                st = opt.state.get(p)
+                st = param_states(opt).get(p)
                 if st and split_flags(st)[0]: _fill_param_state(st, p, per_param)
 
 
@@ -69,7 +70,7 @@ def _model_param_state(opt, cb, groups: list) -> None:
     for g in groups:
         for p in g['params']:
             if p.grad is None: continue
-            st = opt.state[p]
+            st = param_states(opt)[p]
             if not split_flags(st)[0]: st.update(initial_state(opt, p, g))
 
 

@@ -35,6 +35,7 @@ from ..core.hypers import Hypers
 from .buckets import Bucket, as_real
 from .compiled import float64_0d_copies
 from .foreach import dry_copy, run_param
+from ..core.runtime import param_states
 
 __all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
 
@@ -93,16 +94,16 @@ def prepare(opt) -> bool:
             if not ps: continue
             if any(is_dtensor(p) for p in ps): return False
             cbs = param_chain(g['cbs'])
-            fresh = {p: initial_state(opt, p, g) for p in ps if is_declared(cbs) and not split_flags(opt.state[p])[0]}
+            fresh = {p: initial_state(opt, p, g) for p in ps if is_declared(cbs) and not split_flags(param_states(opt)[p])[0]}
             p0 = ps[0]
-            with as_real(Bucket(g, [p0], [{**opt.state[p0], **fresh.get(p0, {})}])) as b:
+            with as_real(Bucket(g, [p0], [{**param_states(opt)[p0], **fresh.get(p0, {})}])) as b:
                 if _reads_values(cbs, b.params[0], b.states[0], Hypers(g).snapshot()): return False
             todo.append((g, cbs, fresh))
         for g, cbs, fresh in todo:
-            for p, st in fresh.items(): opt.state[p].update(st)
+            for p, st in fresh.items(): param_states(opt)[p].update(st)
             counters = chain_counters(cbs)
             for p in g['params']:
-                st = opt.state.get(p)
+                st = param_states(opt).get(p)
                 for k in counters:
                     if st and isinstance(st.get(k), Number): st[k] = number_tensor(st[k], p)
     opt.__dict__['_counters_are_tensors'] = True
@@ -133,7 +134,7 @@ def traced_step(opt) -> None:
         if not todo: continue
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
-        with as_real(Bucket(g, todo, [opt.state[p] for p in todo])) as b:
+        with as_real(Bucket(g, todo, [param_states(opt)[p] for p in todo])) as b:
             for p, st in zip(b.params, b.states):
                 st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
                 run_param(cbs, p, st, hyper, transient)
@@ -152,7 +153,7 @@ def counters_as_numbers(opt) -> Iterator[None]:
     for g in opt.param_groups:
         counters = chain_counters(param_chain(g['cbs']))
         for p in g['params']:
-            st = opt.state.get(p)
+            st = param_states(opt).get(p)
             if not st: continue
             for k, kind in counters.items():
                 if isinstance(v := st.get(k), torch.Tensor):

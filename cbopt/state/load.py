@@ -14,7 +14,7 @@ import torch
 
 from ..core.chain import (chain_counters, chain_defaults, chain_name, chain_reads, flat_model_keys, flat_size, init_chain_state,
                      is_declared, model_param_state, param_chain, run_chain, transient_keys, unwrap)
-from ..core.runtime import user_stacklevel
+from ..core.runtime import param_states, user_stacklevel
 from ..core.hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
 from ..core.flags import split_flags
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
@@ -236,7 +236,7 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
         for name, p in zip(g['param_names'], g['params']):
             saved, k = split_flags(matched[k].state)[0], k + 1
             saved = {key: v for key, v in saved.items() if key not in transient_keys(g['cbs'])}  # older checkpoints saved them
-            cur, flags = split_flags(opt.state.get(p, {}))
+            cur, flags = split_flags(param_states(opt).get(p, {}))
             if cur and not saved:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")

@@ -10,6 +10,7 @@ import torch
 
 from ..core.chain import chain_counters, chain_name
 from ..core.hypers import Hypers, _plain, model_entries
+from ..core.runtime import param_states
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -25,7 +26,7 @@ def named_state_dict(opt: Optimizer) -> dict:
     for g in opt.param_groups:
         counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
         for name, p in zip(g['param_names'], g['params']):
-            if s := opt.state.get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
+            if s := param_states(opt).get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}

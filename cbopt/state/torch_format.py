@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.chain import chain_defaults, chain_name, chain_reads, unwrap
+from ..core.chain import chain_counters, chain_defaults, chain_name, chain_reads, param_chain, unwrap
 from ..core.flags import split_flags
 from ..core.hypers import NOT_HYPERS, is_model_entry
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, torch_hyper_names,
                       torch_model_entries, torch_state_names)
 from .save import torch_state_dict
+from .torch_view import torch_scalar
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -38,7 +39,8 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
                        'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
-        for pid, name in zip(saved['params'], saved['param_names']):
+        counters = chain_counters(param_chain(cbs))
+        for p, pid, name in zip(g['params'], saved['params'], saved['param_names']):
             algo, flags = split_flags(base['state'].get(pid, {}))
             if flags.get('do_wd') is False and _nonzero(hyper.get('wd', 0)):
                 raise ValueError(f"param {name!r} ({where}) is not decayed (fastai's do_wd=False), which {what} cannot "
@@ -49,11 +51,12 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
                 if k not in names:
                     raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
                                      f"{what}'s algorithm")
-            out = {names[k]: float(v) if k == 'step' else v for k, v in algo.items()}  # torch makes its step a tensor
+            torch_group = {**g, **groups[-1]}  # (its `fused`, `capturable`: where torch keeps its step)
+            out = {names[k]: torch_scalar(v, p, torch_group) if k in counters else v for k, v in algo.items()}
             if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
                 raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "
                                  f"chain does not count steps (cbopt.optim.{cls.__name__} does)")
-            for f in extras: out.update(f(**{**algo, **hyper}))
+            for f in extras: out.update({k: torch_scalar(v, p, torch_group) for k, v in f(**{**algo, **hyper}).items()})
             state[pid] = out
         if saved['params'] and (model := torch_model_entries(saved, cbs)):  # LBFGS's history: under the first param
             state[saved['params'][0]] = {**state.get(saved['params'][0], {}), **model}

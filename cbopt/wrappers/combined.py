@@ -25,6 +25,7 @@ from ..core.chain import chain_name, chain_reads
 from ..engine import Backend
 from ..core.hypers import ALIASES, Hypers
 from ..optimizer import Optimizer
+from ..core.runtime import param_states
 
 __all__ = ['CombinedOptimizer', 'prepend_opt_key']
 
@@ -98,7 +99,7 @@ class CombinedOptimizer(Optimizer):
         self.defaults = defaults
         for _, opt in pairs:
             for p in opt.params:
-                if p in opt.state: self.state[p] = opt.state[p]
+                if p in param_states(opt): param_states(self)[p] = param_states(opt)[p]
 
     def add_param_group(self, param_group: dict) -> None:
         """A new group must bring its chain under `cbs` (a combined optimizer has no chain of its own); the hypers it

@@ -29,6 +29,7 @@ from ..engine.foreach import loop_bucket
 from ..engine.kernels import torch_kernel
 from ..core.hypers import Hypers
 from ..optimizer import Optimizer
+from ..core.runtime import param_states
 
 __all__ = ['InBackward', 'model_scope_callbacks']
 
@@ -70,7 +71,7 @@ class InBackward(Optimizer):
         super().__init__(groups, list(opt.cbs), backend=opt.backend_options if backend is None else backend)
         self.defaults, self._given, self.frozen_idx = dict(opt.defaults), set(opt._given), opt.frozen_idx
         for p in opt.params:
-            if p in opt.state: self.state[p] = opt.state[p]
+            if p in param_states(opt): param_states(self)[p] = param_states(opt)[p]
         self._register(self.params)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class InBackward(Optimizer):
             _refuse_model_scope(self)
         engine.check_grads(SimpleNamespace(param_groups=[{'param_names': [name], 'params': [p], 'cbs': g['cbs']}]))
         hyper = Hypers(g).snapshot()
-        with as_real(Bucket(g, [p], [self.state[p]])) as b:  # a complex param steps on its real view, as in `step`
+        with as_real(Bucket(g, [p], [param_states(self)[p]])) as b:  # a complex param steps on its real view, as in `step`
             kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
             if kernel is not None: kernel()
             else: loop_bucket(self, b, hyper)

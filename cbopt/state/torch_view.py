@@ -1,0 +1,159 @@
+"""A live optimizer's state by torch's names: what `opt.state` shows for `cbopt.optim`'s classes.
+
+The engine keeps each param's state by cbopt's names (`grad_avg`, `step` a Python number), which its buckets, kernels
+and compiled chains read at every step. torch code (DCP's flattened state_dicts, torch's own optimizer tests, a user's
+`opt.state[p]['exp_avg']`) reads a torch class's names (`exp_avg`, `step` a 0-d float tensor). `TorchState` is that
+view over the engine's own dicts (`cbopt.core.runtime.param_states`): the names come from what the group's callbacks
+declare (`cb.torch_state`, `cb.torch_extra_state`: `formats.torch_state_names`, as a torch state_dict is read and
+written with), resolved once per chain, so the renaming costs a step nothing: only a read or a write through the view
+pays for it. Tensors are the engine's own (an in-place change through the view reaches the step); `step` (and ASGD's
+`eta`, `mu`, which cbopt computes from it) are made as torch keeps them when read, and written back as the engine's
+numbers.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.chain import cached, chain_counters, param_chain, unwrap
+from ..core.hypers import Hypers
+from ..core.runtime import param_states
+from .formats import torch_state_names
+
+__all__ = ['TorchState', 'TorchParamState', 'StateNames', 'state_names', 'torch_scalar']
+
+
+class StateNames(NamedTuple):
+    "One chain's state names: torch's -> cbopt's, cbopt's -> torch's, its counters (with their types), its extra state."
+    from_torch: dict
+    to_torch: dict
+    counters: dict
+    extras: tuple  # functions of the state and hypers giving entries torch keeps and cbopt computes (ASGD's eta, mu)
+
+
+@cached(maxsize=256)
+def state_names(cbs: tuple) -> StateNames:
+    "The torch names of the chain `cbs`' state, as its callbacks declare them: resolved once per chain."
+    from_torch = torch_state_names(cbs)
+    extras = tuple(f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None)
+    return StateNames(from_torch, {ours: theirs for theirs, ours in from_torch.items()}, chain_counters(param_chain(cbs)),
+                      extras)
+
+
+def torch_scalar(v: Any, p: torch.Tensor, group: Mapping) -> torch.Tensor:
+    """A number of a param's state (its step count, ASGD's `eta`) as torch's optimizers keep it: a 0-d tensor of torch's
+    scalar dtype (float32; float64 when that is the default dtype, as torch's `_get_scalar_dtype`; float32 with
+    `fused`), on the param's device with `capturable` or `fused`, on the CPU otherwise. A new tensor (a copy)."""
+    fused, on_param = bool(group.get('fused')), bool(group.get('capturable')) or bool(group.get('fused'))
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
+    device = p.device if on_param else torch.device('cpu')
+    if isinstance(v, torch.Tensor): return v.detach().to(dtype=dtype, device=device, copy=True)
+    return torch.tensor(float(v), dtype=dtype, device=device)
+
+
+class TorchParamState(MutableMapping):
+    """One param's state by torch's names (see the module docstring), over the engine's dict `raw`. cbopt's names
+    are read and written too (as aliases), but never listed."""
+    __slots__ = ('raw', 'names', 'p', 'group')
+
+    def __init__(self, raw: dict, names: StateNames, p: torch.Tensor, group: Mapping):
+        self.raw, self.names, self.p, self.group = raw, names, p, group
+
+    def _extras(self) -> dict:
+        if not self.names.extras or 'step' not in self.raw: return {}
+        values = {**Hypers(self.group).snapshot(), **self.raw}
+        return {k: v for f in self.names.extras for k, v in f(**values).items()}
+
+    def __getitem__(self, k: str) -> Any:
+        ours = self.names.from_torch.get(k, k)
+        if ours not in self.raw:
+            extra = self._extras()
+            if k in extra: return torch_scalar(extra[k], self.p, self.group)
+            raise KeyError(k)
+        v = self.raw[ours]
+        return torch_scalar(v, self.p, self.group) if ours in self.names.counters else v
+
+    def __setitem__(self, k: str, v: Any) -> None:
+        ours = self.names.from_torch.get(k, k)
+        if ours in self.names.counters:  # the engine's counter: a number of its declared type (a tensor, if traced)
+            if isinstance(cur := self.raw.get(ours), torch.Tensor): cur.fill_(float(v))
+            else: self.raw[ours] = self.names.counters[ours](v.item() if isinstance(v, torch.Tensor) else v)
+        elif k in self._extras(): return  # (computed from the step count and hypers: nothing to keep)
+        else: self.raw[ours] = v
+
+    def __delitem__(self, k: str) -> None: del self.raw[self.names.from_torch.get(k, k)]
+
+    def __iter__(self) -> Iterator[str]:
+        to_torch = self.names.to_torch
+        yield from (to_torch.get(k, k) for k in self.raw)
+        yield from self._extras()
+
+    def __len__(self) -> int: return len(self.raw) + len(self._extras())
+
+    def __contains__(self, k: object) -> bool:
+        return self.names.from_torch.get(k, k) in self.raw or (bool(self.names.extras) and k in self._extras())
+
+    def __repr__(self) -> str: return repr(dict(self.items()))
+
+
+_WHERE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # opt -> (its groups' layout, {id(param): group})
+
+
+def _group_of(opt, p: torch.Tensor) -> Mapping | None:
+    "The param group holding `p` (kept per optimizer while its groups hold the same params)."
+    groups = opt.param_groups
+    key = tuple((id(g), len(g['params'])) for g in groups)
+    known = _WHERE.get(opt)
+    if known is None or known[0] != key:
+        known = _WHERE[opt] = (key, {id(q): g for g in groups for q in g['params']})
+    return known[1].get(id(p))
+
+
+def _listed(k: Any, st: Any) -> bool:
+    "Whether `opt.state` lists the entry: a param with state, or an entry that is no param's (a state_dict hook's)."
+    return bool(st) or not isinstance(k, torch.Tensor)
+
+
+class TorchState(MutableMapping):
+    """`opt.state` of a `cbopt.optim` optimizer: param -> its state by its torch class's names (`TorchParamState`),
+    over the engine's dicts. As torch's `defaultdict(dict)`, reading a param with no state gives an empty one; the
+    params listed (iterating, `len`, `in`) are those with state, as torch's (the engine keeps an empty dict for a
+    param whose chain keeps nothing: SGD without momentum)."""
+    __slots__ = ('opt',)
+
+    def __init__(self, opt): self.opt = opt
+
+    def _view(self, p: torch.Tensor, raw: Any) -> Any:
+        g = _group_of(self.opt, p) if isinstance(p, torch.Tensor) else None
+        if g is None: return raw  # (not a param of the optimizer, or an entry that is no param's: as it is)
+        return TorchParamState(raw, state_names(tuple(g['cbs'])), p, g)
+
+    def __getitem__(self, p: torch.Tensor) -> Mapping: return self._view(p, param_states(self.opt)[p])
+
+    def get(self, p: torch.Tensor, default: Any = None) -> Any:
+        return self[p] if p in self else default
+
+    def __setitem__(self, p: torch.Tensor, state: Mapping) -> None:
+        raw = param_states(self.opt)
+        if not isinstance(p, torch.Tensor):  # an entry that is no param's (a state_dict hook's): kept as it is
+            raw[p] = state
+            return
+        new = {}
+        view = self._view(p, new)
+        counters = getattr(view, 'names', None)
+        counters = () if counters is None else [k for k, ours in counters.from_torch.items() if ours in counters.counters]
+        for k, v in sorted(state.items(), key=lambda kv: kv[0] not in counters): view[k] = v  # (the step first: the
+        # entries computed from it are then known, and not kept)
+        raw[p] = new
+
+    def __delitem__(self, p: torch.Tensor) -> None: del param_states(self.opt)[p]
+    def __iter__(self) -> Iterator[torch.Tensor]: return (p for p, st in param_states(self.opt).items() if _listed(p, st))
+    def __len__(self) -> int: return sum(1 for p, st in param_states(self.opt).items() if _listed(p, st))
+
+    def __contains__(self, p: object) -> bool:
+        raw = param_states(self.opt)
+        return p in raw and _listed(p, raw[p])
+    def __repr__(self) -> str: return repr({p: self[p] for p in self})
