@@ -37,6 +37,7 @@ import torch
 
 from .. import optimizer as _optimizer
 from ..core.flags import split_flags
+from ..core.runtime import param_states
 
 __all__ = ['fastai_frame', 'learner', 'learner_model', 'from_learner', 'RecordStepStats', 'OptimizerModes',
            'LRFindRestore']
@@ -84,7 +85,7 @@ _optimizer.on_create.append(from_learner)
 
 def is_fresh(opt) -> bool:
     "Whether `opt` holds no algorithm state (flags such as fastai's `do_wd` aside): as built, or after `clear_state()`."
-    return not any(split_flags(opt.state.get(p, {}))[0] for p in opt.params)
+    return not any(split_flags(param_states(opt).get(p, {}))[0] for p in opt.params)
 
 
 def _record_step_stats_class() -> type:
