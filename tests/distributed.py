@@ -321,6 +321,29 @@ def zero_momentum_writes(rank: int, world: int, built_with: str) -> list:
     return seen
 
 
+def one_cycle_run(zero_or_opt, model, steps: int) -> list:
+    "`steps` steps on the whole batch under OneCycleLR (momentum cycled): the `mom` each step used."
+    opt = getattr(zero_or_opt, 'optim', zero_or_opt)  # ZeRO: the rank's optimizer, which the step used
+    sched = torch.optim.lr_scheduler.OneCycleLR(zero_or_opt, max_lr=0.1, total_steps=steps)
+    moms = []
+    for i in range(steps):
+        x, y = batch(i)
+        nn.functional.mse_loss(model(x), y).backward()
+        zero_or_opt.step()
+        zero_or_opt.zero_grad()
+        moms.append(opt.param_groups[0]['mom'])
+        sched.step()
+    return moms
+
+
+def zero_one_cycle(rank: int, world: int, built_with: str, steps: int) -> dict:
+    """cbopt.ZeroRedundancyOptimizer of cbopt.SGD, momentum given as `built_with` (`momentum` or `mom`), under torch's
+    OneCycleLR, every rank on the whole batch: the `mom` each step used, and the params."""
+    model = make_model()
+    zero = cbopt.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cbopt.SGD, lr=1e-2, **{built_with: 0.9})
+    return {'moms': one_cycle_run(zero, model, steps), 'params': params(model)}
+
+
 # -- distributed checkpoints (DCP): saved on one world size, loaded on another ------------------------------------
 def make_dcp_opt(model) -> cbopt.Optimizer:
     """AdamW under a linear warmup and 3-step accumulation: whole-model callbacks whose state (the warmup count, the

@@ -127,6 +127,18 @@ def test_zero_steps_with_the_momentum_last_written_under_either_name(built_with)
     for seen in D.spawn(D.zero_momentum_writes, built_with): assert seen == [0.5, 0.3, 0.7, 0.2]
 
 
+@pytest.mark.parametrize('built_with', ['momentum', 'mom'])
+def test_zero_under_one_cycle_lr_steps_as_one_process(built_with):
+    """torch's OneCycleLR on cbopt's ZeRO, built with either name of momentum (OneCycleLR needs `momentum` in the
+    optimizer's defaults): every rank steps with the momentum it cycles, as one process's cbopt.SGD does."""
+    model = D.make_model()
+    want = D.one_cycle_run(cbopt.SGD(model.parameters(), lr=1e-2, **{built_with: 0.9}), model, 6)
+    assert len(set(want)) > 2  # it cycles
+    for r in D.spawn(D.zero_one_cycle, built_with, 6):
+        assert r['moms'] == pytest.approx(want, rel=1e-12)
+        for n, p in D.params(model).items(): assert_tensor_close(r['params'][n], p, n)
+
+
 def test_zero_load_of_a_bad_checkpoint_changes_nothing_on_any_rank():
     """A ZeRO checkpoint with one thing wrong late in the order (a param's state of another dtype or shape, a missing
     state entry or param state, an invalid hyper, another chain, an unknown whole-model entry, a param too many) is

@@ -61,7 +61,9 @@ class ZeroRedundancyOptimizer(TorchZeroRedundancyOptimizer):
     - `consolidate_state_dict`: also gathers each rank's names for its params (a collective, as torch's already is);
     - `state_dict`: torch's, in cbopt's layout;
     - `load_state_dict`: in place of torch's, which writes each rank's state before checking anything.
-    `overlap_with_ddp=True` needs one of torch's functional optimizers, which cbopt's are not: it is refused."""
+    `overlap_with_ddp=True` needs one of torch's functional optimizers, which cbopt's are not: it is refused. Its
+    `defaults` also hold torch's name of a hyper (`momentum`) that the rank's optimizer has, as cbopt's optimizers'
+    do, so that OneCycleLR cycles it whichever name it was given by."""
 
     def __init__(self, params: Iterable, optimizer_class: Callable[..., Optimizer], process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
@@ -76,6 +78,8 @@ class ZeroRedundancyOptimizer(TorchZeroRedundancyOptimizer):
                             f"built a {type(self.optim).__name__}, not a cbopt optimizer: use "
                             f"torch.distributed.optim.ZeroRedundancyOptimizer for it")
         self._name_by_position(self.optim.param_groups)
+        for alias in ALIASES:  # torch's name of a hyper the rank's optimizer has: OneCycleLR looks for `momentum` here
+            if alias in self.optim.defaults: self.defaults.setdefault(alias, self.optim.defaults[alias])
 
     # -- naming --------------------------------------------------------------------------------------------------
     def _global_index(self) -> dict:
