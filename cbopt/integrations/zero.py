@@ -142,6 +142,7 @@ class ZeroRedundancyOptimizer(TorchZeroRedundancyOptimizer):
         rank refuses it, every rank raises (the refusing rank's error, naming the param or group; on the others, that
         rank too) and nothing changed anywhere. ZeRO's groups then take the hypers loaded, as after a step."""
         commit, error = None, None
+        if isinstance(state_dict, dict): state_dict = state_dict.copy()  # shallow, as torch's: a hook may rebind its keys
         try:
             for hook in self._optimizer_load_state_dict_pre_hooks.values():  # (torch's load runs them: so does this)
                 if (out := hook(self, state_dict)) is not None: state_dict = out
