@@ -17,6 +17,7 @@ lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 requirements = cfg.get('requirements', '').split()
 dev_requirements = cfg.get('dev_requirements', '').split()
+docs_requirements = cfg.get('docs_requirements', '').split()
 scripts = [s for s in cfg.get('console_scripts', '').split() if s]
 
 setuptools.setup(
@@ -31,7 +32,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=['cbopt', 'cbopt.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements},
+    extras_require={'dev': dev_requirements, 'docs': docs_requirements},
     python_requires='>=' + min_python,
     long_description=(Path(__file__).parent / 'README.md').read_text(encoding='utf-8'),
     long_description_content_type='text/markdown',

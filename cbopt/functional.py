@@ -38,7 +38,8 @@ from .core.initial import chain_initial_state
 
 __all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPERS']
 
-HYPERS = 'hypers'  # the state's entry for the dynamic hypers (so no param may have this name)
+HYPERS = 'hypers'
+"""The functional state's entry for the dynamic hypers (`state[HYPERS]['lr']`), so no param may have this name."""
 _DATA = torch._C.TensorBase.__dict__['data']  # the `.data` getter, as a torch function mode sees it
 
 

@@ -464,7 +464,7 @@ def test_is_a_full_cbopt_optimizer():
     assert repr(opt).startswith('AdamW (\nParameter Group 0\n')
 
 
-# -- the README's table of defaults ------------------------------------------------------------------------------------
+# -- the defaults table of docs/guides/torch-optim.md ------------------------------------------------------------------------------------
 RECIPES = {'SGD': 'SGD', 'Adam': 'Adam', 'AdamW': 'Adam', 'RMSprop': 'RMSProp', 'RAdam': 'RAdam', 'NAdam': 'NAdam',
            'Adagrad': 'Adagrad', 'Adadelta': 'Adadelta', 'Adamax': 'Adamax', 'ASGD': 'ASGD', 'Rprop': 'Rprop',
            'Adafactor': 'Adafactor', 'Muon': 'Muon', 'LBFGS': 'LBFGS'}
@@ -482,7 +482,8 @@ def _defaults(f) -> str:
 
 
 def defaults_table() -> str:
-    "The README's table: torch.optim's (and so cbopt.optim's) defaults, cbopt's recipe's, and fastai's where it has one."
+    """The table of docs/guides/torch-optim.md: torch.optim's (and so cbopt.optim's) defaults, cbopt's recipe's, and
+    fastai's where it has one."""
     import fastai.optimizer as fastai_optim
     rows = ['| torch.optim / cbopt.optim | its defaults | cbopt recipe (fastai names) | its defaults | fastai | its defaults |',
             '|---|---|---|---|---|---|']
@@ -493,10 +494,10 @@ def defaults_table() -> str:
     return '\n'.join(rows)
 
 
-def test_readme_defaults_table_matches_the_code():
+def test_docs_defaults_table_matches_the_code():
     from pathlib import Path
-    readme = (Path(__file__).parent.parent / 'README.md').read_text()
-    assert defaults_table() in readme, "regenerate the README's table: print(tests.test_optim.defaults_table())"
+    page = (Path(__file__).parent.parent / 'docs' / 'guides' / 'torch-optim.md').read_text()
+    assert defaults_table() in page, "regenerate the page's table: print(tests.test_optim.defaults_table())"
     assert set(RECIPES) == set(cbopt.optim.__all__)
 
 

@@ -1,5 +1,6 @@
-"""The README's Python examples run as written, in order, in one namespace (as a reader would paste them); its other
-claims that no other test file owns: fastai's names, hyper names and defaults, and the files it names."""
+"""The README's Python examples run as written, in order, in one namespace (as a reader would paste them), and print
+what their comments say; its other claims that no other test file owns: fastai's names, hyper names and defaults, and
+the files and pages it names. (Its length and the docs pages' examples: tests/test_docs.py.)"""
 import inspect
 import re
 from pathlib import Path
@@ -14,15 +15,21 @@ ROOT = Path(__file__).parents[1]
 README = ROOT / 'README.md'
 
 
-def test_readme_python_blocks_run():
+def test_readme_python_blocks_run(capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 2
+    assert len(blocks) == 3  # a prebuilt optimizer, a chain with a callback of your own, cbopt.optim as a drop-in
     ns = {}
     for code in blocks: exec(compile(code, str(README), 'exec'), ns)
-    opt = ns['opt']
+    # every `print(...)   # expected` line printed what its comment says
+    expected = [line.split('#', 1)[1].strip() for code in blocks for line in code.splitlines()
+                if line.startswith('print(') and '#' in line]
+    assert capsys.readouterr().out.splitlines() == expected
+    opt = ns['opt']  # the listed chain with the user's Lion callbacks
     assert sorted(opt.named_state_dict()['state']) == ['0.bias', '0.weight', '2.bias', '2.weight']
     assert all(set(s) == {'grad_avg'} for s in opt.named_state_dict()['state'].values())
     assert isinstance(opt, torch.optim.Optimizer)
+    assert ns['sched'].optimizer is not opt and ns['sched'].last_epoch == 3  # the scheduler stepped the prebuilt Adam
+    assert isinstance(ns['adamw'], cbopt.optim.AdamW) and isinstance(ns['adamw'], cbopt.Optimizer)
 
 
 @pytest.mark.parametrize('name', ['SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb', 'Lookahead', 'ranger'])
@@ -45,3 +52,9 @@ def test_files_the_readme_names_exist():
     "Every `cbopt/...py` path the README names is a file of the package."
     named = set(re.findall(r"`(cbopt/[\w/]+\.py)`", README.read_text()))
     assert named and sorted(p for p in named if not (ROOT / p).is_file()) == []
+
+
+def test_pages_the_readme_links_exist():
+    "Every relative link of the README (to the docs pages, their sections and the plots) is a file of the repository."
+    links = re.findall(r"\]\(((?:docs|nbs)/[^)#\s]+)(?:#[\w-]+)?\)", README.read_text())
+    assert links and sorted(p for p in set(links) if not (ROOT / p).is_file()) == []

@@ -6,6 +6,7 @@ import dataclasses
 __all__ = ['BACKENDS', 'Backend', 'as_backend']
 
 BACKENDS = ('auto', 'loop', 'foreach', 'fused')
+"""The runners a step can go through: `backend=` takes one of these names (or a `Backend`)."""
 
 
 @dataclasses.dataclass(frozen=True)
