@@ -280,7 +280,17 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
                **hypers) -> FunctionalOptimizer:
     """The pure form of an optimizer: `cbopt.functional(cbopt.Adam, lr=1e-3, wd=0.01)`, or of a chain:
     `cbopt.functional([cbopt.weight_decay, ...], lr=...)`, with the same hyper defaults and checks as the Optimizer.
-    `dynamic` names the hypers kept as tensors in the state (default: `lr`; see the module docstring)."""
+    `dynamic` names the hypers kept as tensors in the state (default: `lr`; see the module docstring).
+
+    ```python
+    import torch, cbopt
+    params = {'w': torch.randn(3)}
+    fopt = cbopt.functional(cbopt.Adam, lr=1e-2)
+    state = fopt.init(params)
+    new_params, state = fopt.update(params, {'w': torch.ones(3)}, state)   # pure: `params` is unchanged
+    assert not torch.equal(new_params['w'], params['w'])
+    ```
+    """
     fopt = FunctionalOptimizer(*_chain_and_hypers(factory_or_cbs, hypers), dynamic)
     if callable(factory_or_cbs) and not isinstance(factory_or_cbs, (Optimizer, list, tuple)):
         fopt._regroup = lambda params: factory_or_cbs(params, **hypers)  # init checks how it groups the real params

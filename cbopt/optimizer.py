@@ -62,7 +62,18 @@ def _run_hooks(hooks: Mapping, opt: Optimizer, *value):
 class Optimizer(torch.optim.Optimizer):
     """An optimizer made of step callbacks `cbs`; `defaults` (merged over the callbacks' own) are the hypers.
     A param group may carry its own chain under `cbs` (`[{'params': matrices, 'cbs': muon_cbs}, {'params': rest}]`);
-    its hyper defaults then come from its own chain. `backend` is a name in `cbopt.BACKENDS` or a `cbopt.Backend`."""
+    its hyper defaults then come from its own chain. `backend` is a name in `cbopt.BACKENDS` or a `cbopt.Backend`.
+
+    ```python
+    import torch, cbopt
+    model = torch.nn.Linear(4, 2)
+    opt = cbopt.Optimizer(model.named_parameters(), [cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step],
+                          lr=0.1, mom=0.9, wd=1e-4)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    assert sorted(opt.named_state_dict()['state']) == ['bias', 'weight']
+    ```
+    """
     _keep_on_clear = FLAGS
     state_dict_format: str = 'cbopt'  # what `state_dict()` writes: cbopt.optim's classes write their torch class's
     torch_class: type | None = None   # the torch.optim class this optimizer is the twin of, if any (cbopt.optim's)

@@ -69,7 +69,15 @@ def check_callback(cbs: Callable | Iterable[Callable] | None = None, *, opt_func
     """Check a callback or chain `cbs` (with `hypers`), or a prebuilt optimizer `opt_func(params, **hypers)`, in
     every backend, through a checkpoint and a resume. Returns a `CheckReport`; raises AssertionError with it if a
     check failed and `raise_on_failure`. `compiler` is the torch.compile backend of the fused check ('aot_eager'
-    traces the chain as inductor would get it without generating code; 'inductor' also compiles it)."""
+    traces the chain as inductor would get it without generating code; 'inductor' also compiles it).
+
+    ```python
+    import cbopt
+    from cbopt.testing import check_callback
+    report = check_callback([cbopt.weight_decay, cbopt.average_grad, cbopt.momentum_step], lr=0.1, mom=0.9, wd=1e-4)
+    assert report.ok, report
+    ```
+    """
     if (cbs is None) == (opt_func is None): raise TypeError("check_callback takes either callbacks or opt_func=")
     make = opt_func or (lambda ps, **kw: Optimizer(ps, cbs, **kw))
     report = CheckReport()

@@ -96,6 +96,22 @@ def test_every_public_name_has_a_docstring_and_an_api_entry(site, module):
     assert sorted(f'{module}.{n}' for n in names if not entered(n)) == []
 
 
+def docstring_examples() -> list[tuple[str, str]]:
+    "(public name, Python block) for every fenced example in a public name's docstring."
+    out = []
+    for module in API_MODULES:
+        for name in public_names(module):
+            doc = inspect.getdoc(getattr(importlib.import_module(module), name)) or ''
+            out += [(f'{module}.{name}', code) for code in re.findall(r"```python\n(.*?)```", doc, flags=re.S)]
+    return out
+
+
+@pytest.mark.parametrize('name,code', docstring_examples(), ids=lambda v: v if v.startswith('cbopt') else '')
+def test_docstring_examples_run(name, code):
+    "The usage examples in the docstrings (shown in the API reference) run and assert what they claim."
+    exec(compile(code, name, 'exec'), {})
+
+
 def test_generated_parts_are_current():
     "Every part between `<!-- generated: NAME -->` markers is what `python -m cbopt docs --update` makes now."
     stale = []

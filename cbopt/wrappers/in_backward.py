@@ -56,7 +56,17 @@ class InBackward(Optimizer):
     the step hooks (LR schedulers count it) and steps only params that still hold a grad (set by hand, not by
     backward), so none steps twice; `zero_grad()` is harmless. Its state_dict is `opt`'s, and loads both ways.
     In backward each param is stepped by the loop runner, or torch's fused kernel where the backend would use it
-    (`'auto'`, `'fused'`): a compiled or foreach call on one param gains nothing. `remove_hooks()` stops it."""
+    (`'auto'`, `'fused'`): a compiled or foreach call on one param gains nothing. `remove_hooks()` stops it.
+
+    ```python
+    import torch, cbopt
+    model = torch.nn.Linear(4, 2)
+    opt = cbopt.InBackward(cbopt.Adam(model.named_parameters(), lr=1e-3))
+    model(torch.randn(8, 4)).sum().backward()   # each param steps here, and its grad is freed
+    opt.step()                                  # the step hooks (LR schedulers) run; no param steps twice
+    assert model.weight.grad is None
+    ```
+    """
     in_backward = True
 
     def __init__(self, opt: Optimizer, backend: str | Backend | None = None):
