@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog='python -m cbopt docs', description=__doc__.split('\n\n')[0])
     parser.add_argument('--update', action='store_true', help='regenerate the generated parts of the pages, then stop')
     parser.add_argument('--build', metavar='DIR', help='build the site into DIR (strict), then stop')
-    parser.add_argument('--addr', default='127.0.0.1:8000', help='where `serve` listens (default 127.0.0.1:8000)')
+    parser.add_argument('--addr', default='127.0.0.1:8000', help='where `serve` listens (default 127.0.0.1:8000; the site is under /cbopt/, as published)')
     args = parser.parse_args(argv)
     if args.update:
         for p in update(): print(f"updated {p.relative_to(ROOT)}")
