@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
-BENCH_FILES = {'bench': 'bench.json', 'memory': 'bench_memory.json', 'whole_model': 'bench_whole_model.json'}
+BENCH_FILES = {'bench': 'bench.json', 'memory': 'bench_memory.json', 'whole_model': 'bench_whole_model.json',
+               'groups': 'bench_groups.json', 'catalogue': 'bench_catalogue.json', 'compile': 'bench_compile.json'}
 MARK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", flags=re.S)
 
 # The catalogue: each prebuilt optimizer, what it is checked against, and how it is built. Defaults and state names are
@@ -112,8 +113,12 @@ def machine_line(results: dict) -> str:
 
 
 def bench_tables(name: str) -> str:
-    "The tables of one of the committed runs, as the bench prints them, under the device they ran on."
+    """The tables of one of the committed runs, as the bench prints them, under the device they ran on; a line saying
+    how to make the run where its JSON is not in docs/ yet."""
     from .bench import report
+    if not (DOCS / BENCH_FILES[name]).is_file():
+        return (f"*No run committed yet:* `python -m cbopt bench --threads 1 --only {name} --out bench_results`, then copy "
+                f"`bench_results/bench.json` to `docs/{BENCH_FILES[name]}` and run `python -m cbopt docs --update`.")
     results = _bench(name)
     text = report(results).split('\n\n', 1)[1]  # the bench's own first line is the machine, with the date
     return f"Device: {machine_line(results)}\n\n{text}"
@@ -175,6 +180,9 @@ GENERATED = {
     'bench': lambda: bench_tables('bench'),
     'bench-memory': lambda: bench_tables('memory'),
     'bench-whole-model': lambda: bench_tables('whole_model'),
+    'bench-groups': lambda: bench_tables('groups'),
+    'bench-catalogue': lambda: bench_tables('catalogue'),
+    'bench-compile': lambda: bench_tables('compile'),
 }
 
 
