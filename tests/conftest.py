@@ -118,3 +118,14 @@ def assert_moved(model: nn.Module, start: nn.Module, rtol: float = 1e-2) -> None
     "Every param of `model` moved by more than `rtol` of its size at `start` (parity on params that never move proves nothing)."
     for (n, p), p0 in zip(model.named_parameters(), start.parameters(), strict=True):
         assert (p - p0).abs().max() > rtol * p0.abs().max(), f"param {n} barely moved: the comparison proves little"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A registry case that a test cannot run (`cases.Case.gap`: a known gap, or a case that needs a closure) is
+    reported skipped with its reason: never filtered out unseen."""
+    from cases import Case
+    for item in items:
+        params = getattr(getattr(item, 'callspec', None), 'params', {})
+        for c in (v for v in params.values() if isinstance(v, Case)):
+            reason = c.gap(item.originalname)
+            if reason: item.add_marker(pytest.mark.skip(reason=f'{c.id}: {reason}'))

@@ -138,11 +138,7 @@ def as_real_params(ps: list) -> list[torch.Tensor]:
     return [torch.view_as_real(p.detach()).clone().requires_grad_() for p in ps]
 
 
-SKIP = {'muon': 'refuses complex params', 'adafactor': 'refuses complex params'}
-CASES_ = [c for c in CASES if c.id not in SKIP]
-
-
-@pytest.mark.parametrize('c', CASES_, ids=str)
+@pytest.mark.parametrize('c', CASES, ids=str)  # (the cases that refuse complex params: their `gaps` say so)
 @pytest.mark.parametrize('backend', ['loop', 'foreach'])
 def test_registry_on_complex_params_is_the_real_math(c: Case, backend):
     """Every registry optimizer (fastai's, torch's, the modern ones, Lookahead, Kahan, user chains) steps a complex

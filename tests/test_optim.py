@@ -12,7 +12,8 @@ import torch
 from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_db
 
 import cbopt
-from conftest import assert_rel_close
+from cases import WITH_OPTIM
+from conftest import assert_rel_close, make_model, train, two_groups
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -564,3 +565,19 @@ def test_live_state_writes_reach_the_step():
     assert_rel_close(m, ref, 2e-5)
     assert float(opt.state[m[0].weight]['step']) == 3. and 'grad_avg' in opt.state[m[0].weight]  # (cbopt's name: an alias)
     assert list(opt.state[m[0].weight]) == ['exp_avg', 'exp_avg_sq', 'step']
+
+
+@pytest.mark.parametrize('c', WITH_OPTIM, ids=str)
+def test_registry_drop_in_follows_torch(c):
+    """Every registry case with a drop-in twin (`cases.Case.optim`): cbopt.optim's class, built with torch's names,
+    follows torch's class step for step over 30 steps on two param groups, within the case's torch tolerance."""
+    ours, theirs = make_model(), make_model()
+    groups = lambda m: [{'params': ps, 'lr': lr} for ps, lr in zip(two_groups(m), (3e-3, 3e-2))]
+    opt, ref = c.optim(groups(ours), 3e-2), c.torch(groups(theirs), 3e-2)
+    for i in range(30):
+        train(ref, theirs, 1, start=i)
+        train(opt, ours, 1, start=i)
+        assert_rel_close(ours, theirs, **c.torch_parity.of(torch.float32), msg=f"{c.id} step {i}:")
+    stepped = {id(p) for g in opt.param_groups for p in g['params']}  # (torch's Muon: the matrices only)
+    for (n, p), p0 in zip(ours.named_parameters(), make_model().parameters()):
+        if id(p) in stepped: assert (p - p0).abs().max() > 1e-2 * p0.abs().max(), f"{c.id}: {n} barely moved"
