@@ -22,7 +22,7 @@ from cbopt.engine.kernels import has_kernel
 from cbopt.engine import auto as auto_runner
 from cbopt.engine import buckets as bucketing
 from cbopt.engine import foreach as foreach_runner
-from cases import CASES, Case, case
+from cases import CASES, Case, case, lion
 from conftest import NO_COMPILE_FALLBACK, assert_rel_close, assert_same_params, make_model, set_grads, train, two_groups
 
 pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]
@@ -481,3 +481,39 @@ def test_l2_grad_left_as_torch_leaves_it():
         ours.step(); ref.step()
         assert torch.equal(a.grad, g) and torch.equal(b.grad, g)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+# -- a chain changed in place ------------------------------------------------------------------------------------
+REPLACED_CHAINS = {'kernel': lambda: cbopt.adam_chain(),  # AdamW, then Adam: torch's fused kernels under fused/auto
+                   'compiled': lambda: [cbopt.weight_decay, lion]}  # no kernel: fused compiles it
+
+
+@pytest.mark.parametrize('where', ['optimizer', 'group'])
+@pytest.mark.parametrize('chain', list(REPLACED_CHAINS))
+@pytest.mark.parametrize('backend', ['loop', 'foreach', 'fused', 'auto'])
+def test_a_callback_replaced_in_place_runs_at_the_next_step(backend, chain, where):
+    """`opt.cbs[0] = l2_reg` (or in a group's own chain: `opt.param_groups[1]['cbs'][0] = ...`), the same length,
+    after steps that made every backend's plans, kernels or compiled graphs for the old chain: the next steps run the
+    new chain, as an optimizer built with it from the start and given the same state does."""
+    hypers = dict(lr=1e-2, wd=0.1, mom=0.9, sqr_mom=0.99)
+
+    def build(model, be, new: bool):
+        cbs, own = REPLACED_CHAINS[chain](), REPLACED_CHAINS[chain]()
+        if new: (cbs if where == 'optimizer' else own)[0] = cbopt.l2_reg
+        body, head = two_groups(model)
+        return cbopt.Optimizer([{'params': body}, {'params': head, **({'cbs': own} if where == 'group' else {})}],
+                               cbs, backend=aot(be) if be == 'fused' else be, **hypers)
+
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = build(ours, backend, False), build(ref, 'loop', False)
+    warm = 2 + 2 * cbopt.Backend().auto_trials  # auto has settled on its runner
+    train(opt, ours, warm)
+    train(ref_opt, ref, warm)
+    (opt.cbs if where == 'optimizer' else opt.param_groups[1]['cbs'])[0] = cbopt.l2_reg
+    new_ref = build(ref, 'loop', True)
+    for p in ref.parameters(): new_ref.state[p] = ref_opt.state[p]
+    train(opt, ours, 3, start=warm)
+    train(new_ref, ref, 3, start=warm)
+    # a kernel or a compiled graph rounds otherwise than the loop; the old chain would be ~1e-3 off
+    tol = EXACT if backend in ('loop', 'foreach') else dict(rtol=1e-5, atol=1e-7)
+    assert_rel_close(ours, ref, **tol, msg=f"{backend} {chain} {where}:")

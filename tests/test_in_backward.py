@@ -249,3 +249,30 @@ def test_copy_steps_its_own_params():
     assert all(p.grad is None for p in model2.parameters())
     assert_same_params(model2, ref)
     assert_same_params(model, before)
+
+
+@pytest.mark.parametrize('how', ['stepped', 'loaded'])
+@pytest.mark.parametrize('name', list(BUILDERS))
+def test_wrapping_keeps_the_state(name, how):
+    """`InBackward(opt)` on an optimizer that has already stepped (or that just loaded a checkpoint) goes on from its
+    state: the next steps equal a twin's, the same optimizer stepped normally throughout, bit for bit (params and
+    state). A wrapper that started from fresh state (zero moments, step 1 again) would part at once."""
+    build = BUILDERS[name]
+    ref, ours = make_model(), make_model()
+    ref_opt, opt = build(ref), build(ours)
+    train(ref_opt, ref, 3)
+    train(opt, ours, 3)
+    if how == 'loaded':  # a fresh optimizer on the same params, loading the stepped one's checkpoint
+        sd = opt.state_dict()
+        opt = build(ours)
+        opt.load_state_dict(sd)
+    wrapped = cbopt.InBackward(opt)
+    for i in range(3, 6):
+        train(ref_opt, ref, 1, start=i)
+        set_grads(ours, i)  # backward steps every param
+        wrapped.step()
+    assert_same_params(ours, ref, f'{name} {how}:')
+    sd, ref_sd = wrapped.state_dict(), ref_opt.state_dict()
+    assert sd['state'].keys() == ref_sd['state'].keys()
+    for n, st in ref_sd['state'].items():
+        for k, v in st.items(): assert torch.equal(torch.as_tensor(sd['state'][n][k]), torch.as_tensor(v)), (n, k)
