@@ -1,5 +1,5 @@
-"""`python -m cbopt demo` runs end to end in a fresh process and prints the README's table (rows and losses as the
-README shows them), writes a real PNG; its flags (`--out`, `--steps`, `--seed`) do what the README says. No speed is
+"""`python -m cbopt demo` runs end to end in a fresh process and prints the table of docs/getting-started.md (rows and
+losses as the page shows them), writes a real PNG; its flags (`--out`, `--steps`, `--seed`) do what the docs say. No speed is
 checked: steps/s depends on the machine and its load."""
 import copy
 import os
@@ -12,7 +12,7 @@ from cbopt.cli import demo
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # in-process training on tiny tensors: one thread, no OpenMP spin
 
-# The README's table (python -m cbopt demo, defaults: 400 steps, seed 0): optimizer -> (first loss, final loss)
+# The table of docs/getting-started.md (python -m cbopt demo, defaults: 400 steps, seed 0): optimizer -> (first loss, final loss)
 README_TABLE = {
     'listed: wd+avg_grad+momentum': (0.6573, 0.0201),
     'listed: centralize+Adam':      (0.6573, 0.0083),
@@ -47,8 +47,8 @@ def demo_run(tmp_path_factory):
 
 
 def test_table_is_the_readmes(demo_run):
-    """The README's rows in its order, every row from the same start (first loss 0.6573), the callback-listed SGD
-    with the same numbers as cbopt.SGD, and the final losses as the README prints them (to 5e-4: another CPU's
+    """The page's rows in its order, every row from the same start (first loss 0.6573), the callback-listed SGD
+    with the same numbers as cbopt.SGD, and the final losses as the page prints them (to 5e-4: another CPU's
     rounding may move the 4th decimal after 400 steps)."""
     rows = parse_table(demo_run[0])
     assert list(rows) == list(README_TABLE)
@@ -68,7 +68,7 @@ def test_flags(tmp_path, capsys):
     curves = demo.main(['--out', str(tmp_path / 'a'), '--steps', '30'])
     assert (tmp_path / 'a' / 'losses.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert list(curves) == list(README_TABLE) and all(len(c) == 30 for c in curves.values())
-    assert all(c[0] == pytest.approx(0.6573, abs=5e-5) for c in curves.values())  # seed 0: the README's start
+    assert all(c[0] == pytest.approx(0.6573, abs=5e-5) for c in curves.values())  # seed 0: the page's start
     rows = parse_table(capsys.readouterr().out)
     assert all(rows[n][1] > README_TABLE[n][1] for n in rows)  # 30 steps train less far than 400
     other = demo.main(['--out', str(tmp_path / 'b'), '--steps', '5', '--seed', '1'])

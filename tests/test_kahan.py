@@ -1,5 +1,5 @@
 """Kahan-compensated updates (`kahan_sum=True`, `cbopt.kahan`) for bf16 params: torch-optimi's numerics, op for op,
-and a bf16 run that stays far closer to the fp32 run than plain bf16 does (the README reports the ratios)."""
+and a bf16 run that stays far closer to the fp32 run than plain bf16 does (docs/guides/callbacks.md reports the ratios)."""
 import pytest
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ def kahan_errors(name: str, backend: str = 'loop') -> tuple[float, float]:
 @pytest.mark.parametrize('name', KAHAN)
 def test_kahan_keeps_bf16_near_fp32(name):
     """300 steps in bf16, each below half a bf16 ulp of most params: plain bf16 barely moves (an error of 80-95% of the
-    fp32 run's travel), kahan_sum stays at least 10x closer to the fp32 run (measured: 31x to 126x, in the README)
+    fp32 run's travel), kahan_sum stays at least 10x closer to the fp32 run (measured: 31x to 126x, in docs/guides/callbacks.md)
     and within 5% of its travel."""
     plain, kahan = kahan_errors(name)
     assert kahan * 10 < plain, f"{name}: kahan {kahan:.3g} vs plain {plain:.3g}"
@@ -99,7 +99,7 @@ def test_kahan_needs_an_additive_step():
     with pytest.raises(ValueError, match='no callback of the chain declares'): cbopt.kahan_chain([cbopt.weight_decay])
 
 
-if __name__ == '__main__':  # the README's ratios
+if __name__ == '__main__':  # the ratios docs/guides/callbacks.md reports
     for n in KAHAN:
         p, k = kahan_errors(n)
         print(f'{n}: plain bf16 {p:.2e}, kahan {k:.2e}, ratio {p / k:.0f}x')
