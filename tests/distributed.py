@@ -421,5 +421,5 @@ def dcp_load(rank: int, world: int, kind: str, path: str, steps: int, more: int)
 
 def state_bytes_per_rank(rank: int, world: int, shapes) -> dict:
     "The bench's memory part on this rank: the bytes of the state cbopt.Adam holds here under DDP, ZeRO and FSDP2."
-    from cbopt.cli.bench_memory import measure_rank
+    from cbopt.cli.bench.memory import measure_rank
     return measure_rank(shapes)

@@ -11,6 +11,7 @@ import torch
 
 import cbopt
 from cbopt.cli import bench
+from cbopt.cli.bench.report import report
 
 
 # the catalogue's rows in the quick run: a torch.optim one with a fused kernel, a modern one, Muon (its matrices), a
@@ -75,7 +76,7 @@ def test_table_warns_past_the_readmes_tolerance(quick_run):
         for gap, warns in ((tol / 2, False), (tol * 2, True)):
             r = copy.deepcopy(results)
             r['cases'][key]['numerics_gap']['cbopt loop'] = gap
-            assert ('NUMERICS DIFFER' in bench.report(r)) == warns, (key, gap)
+            assert ('NUMERICS DIFFER' in report(r)) == warns, (key, gap)
 
 
 def test_gpt2_small_shapes():
@@ -189,3 +190,53 @@ def test_compile_part(quick_run):
     assert cold['fxgraph_cache_miss'] == 1 and cold['fxgraph_cache_hit'] == 0
     assert warm['fxgraph_cache_miss'] == 0 and warm['fxgraph_cache_hit'] == 1
     assert "Lion's first compile" in stdout
+
+
+OPTIONAL = ('fastai', 'lion_pytorch', 'pytorch_optimizer', 'optimi', 'schedulefree', 'matplotlib')
+
+
+def test_importing_the_bench_imports_no_reference():
+    """The bench's package imports fastai, the other references and matplotlib only where a row or the plot needs
+    them: importing it (every part of it) imports none, so a run without them installed starts."""
+    code = ('import sys, pkgutil, importlib, cbopt.cli.bench as b; '
+            '[importlib.import_module(f"cbopt.cli.bench.{m.name}") for m in pkgutil.iter_modules(b.__path__) '
+            'if m.name != "__main__"]; '
+            f'print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))')
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ['[]']
+
+
+def test_help_lists_every_flag():
+    "`python -m cbopt bench --help` (and `python -m cbopt.cli.bench`) list the command's flags and its parts."
+    for cmd in (['-m', 'cbopt', 'bench', '--help'], ['-m', 'cbopt.cli.bench', '--help']):
+        res = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        for flag in ('--out', '--steps', '--warmup', '--quick', '--threads', '--only', '--size', '--optimizers'):
+            assert flag in res.stdout, flag
+        assert all(part in res.stdout for part in bench.PARTS)
+
+
+def test_a_reference_not_installed_is_skipped_with_a_note(monkeypatch):
+    """A reference whose package is missing (here: hidden from imports) is dropped from its case with a note, and a
+    catalogue entry whose reference is missing is skipped whole, instead of the run failing; the machine line says
+    fastai is not installed."""
+    for m in ('fastai', 'lion_pytorch'): monkeypatch.setitem(sys.modules, m, None)  # `import m` raises, find_spec: None
+    kept, notes = bench.installed(bench.adam_contenders(['loop']))
+    assert list(kept) == ['cbopt loop', 'torch fused', 'torch foreach', 'torch loop']
+    assert notes == {'fastai': 'fastai is not installed'}
+    skipped = {}
+    assert bench.catalogue_case(bench.tiny_gpt2(1), 1, 1, True, only=['Lion', 'Lamb'], skipped=skipped) == {}
+    assert skipped == {'catalogue Lion': 'lion-pytorch is not installed', 'catalogue Lamb': 'fastai is not installed'}
+    assert bench.machine()['fastai'] is None
+    monkeypatch.undo()
+    assert bench.installed(bench.adam_contenders(['loop']))[1] == {}  # installed: nothing skipped
+    assert bench.machine()['fastai'] is not None
+
+
+def test_the_report_names_what_was_skipped(quick_run):
+    "The report says which rows were skipped and why, and says nothing when none was."
+    results = json.loads((quick_run[1] / 'bench.json').read_text())
+    assert 'skipped' not in results and 'Skipped:' not in report(results)
+    results['skipped'] = {'fastai': 'fastai is not installed'}
+    assert 'Skipped: fastai (fastai is not installed).' in report(results)

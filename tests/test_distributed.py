@@ -232,7 +232,7 @@ def test_bench_state_bytes_per_rank_are_the_state_each_mode_keeps():
     moments of every param, under ZeRO those of the params it owns (together: every param once), under FSDP2 those of
     its dim-0 shard of every param (torch.chunk's split)."""
     from math import prod
-    from cbopt.cli.bench import param_sets
+    from cbopt.cli.bench.params import param_sets
     shapes = param_sets(True)['gpt2']
     ranks = D.spawn(D.state_bytes_per_rank, shapes)
     moments = 2 * 4  # grad_avg and sqr_avg, fp32; the step count is a Python number

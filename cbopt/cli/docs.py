@@ -95,7 +95,7 @@ def _bench(name: str) -> dict:
 
 def readme_bench_table() -> str:
     "The README's benchmark table: Adam on the GPT-2 set from docs/bench.json, step ms and the ratio to torch fused."
-    from .bench import paired
+    from .bench.harness import paired
     case = _bench('bench')['cases']['gpt2']['results']
     rows = ['| optimizer | step ms | / torch fused |', '|---|---|---|']
     for name in ('cbopt auto', 'cbopt fused', 'cbopt foreach', 'cbopt loop', 'torch fused', 'torch foreach',
@@ -115,7 +115,7 @@ def machine_line(results: dict) -> str:
 def bench_tables(name: str) -> str:
     """The tables of one of the committed runs, as the bench prints them, under the device they ran on; a line saying
     how to make the run where its JSON is not in docs/ yet."""
-    from .bench import report
+    from .bench.report import report
     if not (DOCS / BENCH_FILES[name]).is_file():
         return (f"*No run committed yet:* `python -m cbopt bench --threads 1 --only {name} --out bench_results`, then copy "
                 f"`bench_results/bench.json` to `docs/{BENCH_FILES[name]}` and run `python -m cbopt docs --update`.")

@@ -1,10 +1,11 @@
 """`python -m cbopt bench --only memory`: the optimizer state each rank holds under DDP, ZeRO and FSDP2.
 
-Two gloo processes on CPU take one `cbopt.Adam` step on GPT-2 small's params (`bench.gpt2_shapes`) in each mode, with
+Two gloo processes on CPU take one `cbopt.Adam` step on GPT-2 small's params (`params.gpt2_shapes`) in each mode, with
 torch's own wrappers: `DistributedDataParallel` (every rank keeps the whole state), `ZeroRedundancyOptimizer`
-(`cbopt.ZeroRedundancyOptimizer`, torch's for cbopt optimizers: each rank keeps the state of the params it owns) and FSDP2's `fully_shard` (each rank keeps its shard of every param's
-state, as DTensors). Each rank then counts the bytes of the state tensors it holds (a DTensor's local shard). Bytes
-need no timing, so a busy machine does not change them.
+(`cbopt.ZeroRedundancyOptimizer`, torch's for cbopt optimizers: each rank keeps the state of the params it owns) and
+FSDP2's `fully_shard` (each rank keeps its shard of every param's state, as DTensors). Each rank then counts the bytes
+of the state tensors it holds (a DTensor's local shard). Bytes need no timing, so a busy machine does not change
+them.
 """
 from __future__ import annotations
 

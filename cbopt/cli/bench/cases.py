@@ -1,0 +1,251 @@
+"""`python -m cbopt bench`: time cbopt's backends against torch.optim and fastai, on CPU in fp32.
+
+Timings on a busy machine drift, so every row is timed in the same process as its references, interleaved: round
+`r` times one step of every contender (in an order shuffled each round), and a ratio is the median of the per-round
+ratios. The step time is the median over `--steps` rounds, after warm-up steps that create the state (and compile).
+
+1. GPT-2-small's 148 params (124.4M): cbopt's Adam per backend vs torch AdamW (fused, foreach, for-loop) and fastai.
+2. 1,000 params of 64x64, the same contenders: per-param overhead dominates.
+3. `cbopt.Lion` (torch has no kernel for it) on the GPT-2 set: backends vs the loop, and the first step (state
+   creation and compilation) on its own.
+4. Peak memory a step adds beyond params, grads and state, each optimizer in a fresh subprocess.
+5. Effective memory traffic: the bytes the algorithm must move per step / step time, next to the bandwidth of two
+   streaming ops on large tensors timed in the same rounds (the physical limit): `copy_` and an in-place `add_`.
+6. A whole train step on the demo's MLP: forward, `torch.func.grad` and `cbopt.functional(cbopt.Adam)`'s update,
+   compiled with `fullgraph=True` (and eager), against eager `loss.backward()` + `cbopt.Adam.step()`.
+7. Global-norm clipping on the GPT-2 set: cbopt's fused Adam under `GradientClippingOptimizer` (default, and
+   `in_place=True`) against torch's fused AdamW after `clip_grad_norm_(foreach=True)`, and against cbopt's own fused
+   step without clipping.
+8. `InBackward` on a model of GPT-2-small's shapes (tied and untied embeddings): the peak memory of forward + backward
+   + step against the normal step (each in a fresh subprocess), and the time of both, interleaved.
+9. The optimizer state each rank holds under DDP, ZeRO and FSDP2, on 2 gloo processes, on the GPT-2 set
+   (`cbopt/cli/bench/memory.py`; bytes, not timed).
+10. The catalogue: every optimizer's fused and foreach steps against its reference's fastest mode, and against the
+    memory-traffic floor, on the GPT-2 set at `--size` times its width.
+11. Lion's first compile in a fresh process with an empty inductor cache, then with that cache filled.
+12. The grid of case 2 with each tensor its own param group (per-layer lrs, as discriminative training sets them):
+    the cost per group, the same contenders.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import cbopt
+from .contenders import (Entry, adam_contenders, catalogue, catalogue_contenders, entry_missing, select,
+                         stream_contenders, train_contenders, train_step)
+from .harness import Progress, cpu_s, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes, status_kb
+from .params import Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
+
+__all__ = ['PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case', 'step_peak_memory',
+           'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case']
+
+# the parts `--only` picks, in the order they run (adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7;
+# in_backward: 8; memory: 9; catalogue: 10; compile: 11)
+PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
+
+
+# -- a case of contenders on one param set (cases 1, 2, 3, 7, 12), and the train step (case 6) -----------------------
+def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmup: int, progress: Progress,
+             extra: dict[str, Callable[[], None]] | None = None, ref: str = 'torch fused', tol: float = 1e-6,
+             unchecked: dict[str, Callable] | None = None) -> dict:
+    """Time `contenders` on one shared set of params (each optimizer keeps its own state), plus `unchecked` ones (other
+    numerics: timed only) and `extra` step functions; then check that `contenders` compute the same thing (after
+    timing, so that a first compilation is timed as a user sees it)."""
+    ps = make_params(shapes)
+    steps = {**{n: f(ps) for n, f in {**contenders, **(unchecked or {})}.items()}, **(extra or {})}
+    res = measure(steps, rounds, warmup, progress)
+    del steps, ps
+    gc.collect()
+    gap = numerics_gap(contenders, ref, shapes)
+    return {'numel': sum(math.prod(s) for _, s in shapes),
+            'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
+
+
+TRAIN_ROWS = 6
+
+
+def train_case(quick: bool, rounds: int, warmup: int, progress: Progress) -> dict:
+    """The train step rows (`train_contenders`): 5x the rounds, as a step takes about a millisecond. A quick run
+    compiles with aot_eager (dynamo's graph without inductor's C++ codegen, which takes a minute on a busy CPU)."""
+    compiler = 'aot_eager' if quick else 'inductor'
+    steps, gap = train_contenders(compiler)
+    res = measure(steps, 5 * rounds, warmup, progress)
+    from .. import demo
+    model = demo.make_model()
+    return {'numel': sum(p.numel() for p in model.parameters()), 'tensors': len(list(model.parameters())), 'batch': 64,
+            'compiler': compiler, 'rounds': 5 * rounds, 'results': res, 'numerics_gap': gap(), 'tolerance': 1e-6}
+
+
+
+# -- InBackward (case 8) ----------------------------------------------------------------------------------------------
+def train_step_peak(quick: bool, tied: bool, in_backward: bool) -> dict:
+    """The peak memory one training step adds (see `step_peak_memory`), after 2 steps that create the state; and the
+    bytes of all grads (what stepping in backward can save at most)."""
+    pin_mmap_threshold()
+    step = train_step(quick, tied, in_backward)
+    step(), step()
+    step.zero_grad()  # the last step's grads are freed before the baseline: the measured step allocates its own
+    gc.collect()
+    Path('/proc/self/clear_refs').write_text('5')
+    before = status_kb('VmRSS')
+    step()
+    return {'peak_bytes': (status_kb('VmHWM') - before) * 1024, 'grad_bytes': step.grad_bytes,
+            'largest_grad_bytes': step.largest_grad_bytes}
+
+
+def in_backward_case(quick: bool, rounds: int, warmup: int, progress: Progress | None = None) -> dict:
+    "Case 8: peak memory of each variant in a fresh subprocess (in-process when quick), then both timed interleaved."
+    res = {}
+    for tied in (True, False):
+        row = {}
+        for inb in (False, True):
+            if quick: row[inb] = train_step_peak(quick, tied, inb)
+            else:
+                code = (f'import json, torch, cbopt.cli.bench.cases as b; torch.set_num_threads({torch.get_num_threads()}); '
+                        f'print(json.dumps(b.train_step_peak(False, {tied}, {inb})))')
+                run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+                row[inb] = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else None
+            if progress: progress.update()
+        key = 'tied' if tied else 'untied'
+        normal, inb = row[False], row[True]
+        saved = None if not (normal and inb) else (normal['peak_bytes'] - inb['peak_bytes']) / normal['grad_bytes']
+        steps = {'normal': train_step(quick, tied, False), 'in backward': train_step(quick, tied, True)}
+        timing = measure(steps, rounds, warmup, progress)
+        del steps
+        gc.collect()
+        res[key] = dict(normal=normal, in_backward=inb, saved_of_grads=saved, results=timing,
+                        time_ratio=paired(timing, 'in backward', 'normal'))
+    return res
+
+
+# -- the peak memory a step adds (case 4), each optimizer in a fresh subprocess ---------------------------------------
+def step_peak_memory(names: list[str], quick: bool, backends: list[str]) -> dict[str, float]:
+    """For each optimizer: build the GPT-2 set and the optimizer, take 2 steps (the state now exists), reset the peak
+    RSS (`5 > /proc/self/clear_refs`), take one step, and return the peak minus the RSS before it, in % of param bytes."""
+    pin_mmap_threshold()
+    out = {}
+    for name in names:
+        ps = make_params(param_sets(quick)['gpt2'])
+        step = adam_contenders(backends)[name](ps)
+        step(), step()
+        gc.collect()
+        Path('/proc/self/clear_refs').write_text('5')
+        before = status_kb('VmRSS')
+        step()
+        out[name] = (status_kb('VmHWM') - before) * 1024 / (4 * numel(ps)) * 100
+        del ps, step
+        gc.collect()
+    return out
+
+
+def peak_memory(names: list[str], quick: bool, backends: list[str], progress: Progress | None = None) -> dict:
+    "`step_peak_memory` of each optimizer in a fresh subprocess (all in this process in quick runs, to save time)."
+    if quick:
+        res = step_peak_memory(names, quick, backends)
+        if progress: progress.update(len(names))
+        return res
+    res = {}
+    for name in names:
+        code = (f'import json, torch, cbopt.cli.bench.cases as b; torch.set_num_threads({torch.get_num_threads()}); '
+                f'print(json.dumps(b.step_peak_memory([{name!r}], False, {backends!r})))')
+        run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+        res[name] = json.loads(run.stdout.strip().splitlines()[-1])[name] if run.returncode == 0 else None
+        if progress: progress.update()
+    return res
+
+
+# -- the catalogue (case 10) ------------------------------------------------------------------------------------------
+def catalogue_numerics(entry: Entry, compiler: str, quick: bool, steps: int = 3) -> dict[str, float]:
+    """The largest |param - reference's param| after `steps` steps from one start on `tiny_gpt2`, relative to the
+    reference's largest |param|, per row (the first reference mode is the reference). Every step gets the same grads
+    afresh: some references write into `p.grad` (schedulefree divides it in place), which cbopt never does."""
+    finals = {}
+    for name, make in catalogue_contenders(entry, compiler).items():
+        ps = select(entry, make_params(tiny_gpt2(1 if quick else 12), seed=1))
+        grads = [p.grad.clone() for _, p in ps]
+        step = make(ps).step
+        for _ in range(steps):
+            for (_, p), g in zip(ps, grads): p.grad = g.clone()
+            step()
+        finals[name] = torch.cat([p.detach().flatten() for _, p in ps])
+    ref = finals[next(iter(entry.refs))]
+    scale = ref.abs().max().item()
+    return {n: (f - ref).abs().max().item() / scale for n, f in finals.items()}
+
+
+def catalogue_case(shapes: list, rounds: int, warmup: int, quick: bool, only: list[str] | None = None,
+                   progress: Progress | None = None, skipped: dict[str, str] | None = None) -> dict:
+    """Each optimizer of the catalogue on `shapes`: its rows and the reference's, timed interleaved with an in-place
+    `add_` on two tensors of 2**24 floats (the bandwidth of that round), one optimizer at a time (its state freed
+    before the next). Quick runs compile with dynamo alone (the `eager` backend: no codegen). An optimizer whose
+    reference's package is not installed is skipped, with a note in `skipped` (nothing to check its rows against)."""
+    compiler = 'eager' if quick else 'inductor'
+    stream_n = 1 << (18 if quick else 24)
+    out = {}
+    for entry in catalogue():
+        if only and entry.name not in only: continue
+        if why := entry_missing(entry):
+            if skipped is not None: skipped[f'catalogue {entry.name}'] = why
+            continue
+        if progress: progress.set(f'catalogue: {entry.name}')
+        ps = select(entry, make_params(shapes))
+        opts = {name: make(ps) for name, make in catalogue_contenders(entry, compiler).items()}
+        steps = {**{n: o.step for n, o in opts.items()}, 'add_': stream_contenders(stream_n)['add_']}
+        res = measure(steps, rounds, max(warmup, 2), progress)  # the fused backend compiles on its second step
+        grads = sum(p.grad.numel() * p.grad.element_size() for _, p in ps)
+        params = sum(p.numel() * p.element_size() for _, p in ps)
+        floor = 2 * params + grads + 2 * state_bytes(opts['cbopt foreach'])
+        nparams = sum(p.numel() for _, p in ps)
+        del opts, steps, ps
+        gc.collect()
+        out[entry.name] = dict(results=res, refs=list(entry.refs), floor_bytes=floor, bytes_per_param=floor / nparams,
+                               numel=nparams, stream_numel=stream_n, numerics=catalogue_numerics(entry, compiler, quick),
+                               tolerance=entry.tol,
+                               compiler=compiler)
+    return out
+
+
+# -- the cold first compile (case 11, `--only compile`) ---------------------------------------------------------------
+def cold_compile(width: float, quick: bool) -> dict:
+    """In this (fresh) process: Lion's fused steps on the GPT-2 set at `width`; the first runs eagerly (it creates the
+    state), the second compiles. Returns their wall and CPU times and what dynamo and inductor counted."""
+    from torch._dynamo.utils import counters
+    ps = make_params(gpt2_at(width, quick))
+    opt = cbopt.Lion(ps, lr=1e-4, wd=0.1, backend='fused')
+    wall, cpu = [], []
+    for _ in range(3):
+        t, c = time.perf_counter(), cpu_s()
+        opt.step()
+        wall.append(time.perf_counter() - t)
+        cpu.append(cpu_s() - c)
+    return dict(first_s=wall[0], compile_step_s=wall[1], compile_step_cpu_s=cpu[1], third_s=wall[2], tensors=len(ps),
+                graphs=counters['stats'].get('unique_graphs', 0),
+                fxgraph_cache_miss=counters['inductor'].get('fxgraph_cache_miss', 0),
+                fxgraph_cache_hit=counters['inductor'].get('fxgraph_cache_hit', 0))
+
+
+def compile_case(width: float, quick: bool) -> dict:
+    """`cold_compile` in a fresh subprocess with an empty inductor cache (a new `TORCHINDUCTOR_CACHE_DIR`), then again
+    in another fresh process with that cache now filled (what a second run of the same script pays). Inductor compiles
+    in the process itself (`TORCHINDUCTOR_COMPILE_THREADS=1`), so that its CPU time is counted."""
+    res = {}
+    with tempfile.TemporaryDirectory(prefix='cbopt_bench_cold_') as cache:
+        env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1'}
+        code = (f'import json, torch, cbopt.cli.bench.cases as c; torch.set_num_threads({torch.get_num_threads()}); '
+                f'print(json.dumps(c.cold_compile({width!r}, {quick!r})))')
+        for key in ('cold', 'warm cache'):
+            run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+            res[key] = (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
+                        else {'error': run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'failed'})
+    return res

@@ -1,0 +1,124 @@
+"""`python -m cbopt bench`'s command: its arguments, the parts asked for run in order (`cases`), then the report.
+
+A part is a function of `cases` that returns its results, a branch of `run` that calls it, and its table in
+`report`; a contender is an entry of a table in `contenders`."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import cases as _cases
+from .cases import (PARTS, TRAIN_ROWS, catalogue_case, compile_case, in_backward_case, peak_memory, run_case,
+                    train_case)
+from .contenders import (STREAM_BYTES, adam_contenders, available_backends, catalogue, clip_contenders, installed,
+                         lion_contenders, stream_contenders, unclipped_contenders)
+from .harness import Progress
+from .memory import state_memory
+from .params import gpt2_at, param_sets
+from .report import machine, write
+
+__all__ = ['main', 'run']
+
+
+def main(argv: list[str] | None = None) -> dict:
+    "Run the benchmark; print the tables, write bench.json and bench.png to `--out`; return the results."
+    parser = argparse.ArgumentParser(prog='python -m cbopt bench', description=_cases.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out', default='bench_results', help='directory for bench.json and bench.png')
+    parser.add_argument('--steps', type=int, default=None, help='timed interleaved rounds (default 10; 3 with --quick)')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed steps before the rounds, the first included')
+    parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
+    parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
+    parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
+                        "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
+    parser.add_argument('--size', type=float, default=1.0, help="catalogue and compile: the GPT-2 set's width and "
+                        "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
+    parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
+                        '(default: all)')
+    args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(',') if p.strip()]
+    if unknown := [p for p in args.only if p not in PARTS]: parser.error(f"unknown part(s) {unknown}: expected {PARTS}")
+    if args.optimizers:
+        args.optimizers = [n.strip() for n in args.optimizers.split(',') if n.strip()]
+        if unknown := sorted(set(args.optimizers) - {e.name for e in catalogue()}):
+            parser.error(f"unknown optimizer(s) {unknown} for --optimizers: expected names of the catalogue")
+    if args.threads: torch.set_num_threads(args.threads)
+    if args.quick: return run(args)
+    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    with tempfile.TemporaryDirectory(prefix='cbopt_bench_inductor_') as cache:
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache  # an empty compile cache: compile times as a first run pays them
+        try: return run(args)
+        finally:
+            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
+            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+
+
+def run(args: argparse.Namespace) -> dict:
+    "The cases, peak memory, report, JSON and plot (full runs compile with an empty cache, quick ones with the usual)."
+    rounds = args.steps or (3 if args.quick else 10)
+    warmup = max(args.warmup, 1)
+    torch.manual_seed(0)
+    sets, backends = param_sets(args.quick), list(available_backends())
+    (adam, skipped), lion = installed(adam_contenders(backends)), lion_contenders(backends)
+    todo = set(args.only)
+    if not {'adam', 'groups'} & todo: skipped = {}  # the notes of the rows this run would have timed only
+    stream_n = 1 << (20 if args.quick else 26)  # 4 MiB or 256 MiB per tensor: far beyond the caches in the full run
+    per = warmup + rounds
+    clip, unclipped = clip_contenders(), unclipped_contenders()
+    progress = Progress(per * (('adam' in todo) * (2 * len(adam) + len(STREAM_BYTES)) + ('groups' in todo) * len(adam)
+                               + ('lion' in todo) * len(lion)
+                               + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
+                        + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
+                        + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds))
+    print(f"cbopt backends: {', '.join(backends)}", flush=True)
+    cases, streams, bandwidth, mem, parts = {}, {}, {}, {}, {}
+    if 'adam' in todo:
+        progress.set('Adam, GPT-2 small')
+        cases['gpt2'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, extra=stream_contenders(stream_n))
+        streams = {k: cases['gpt2']['results'].pop(k) for k in STREAM_BYTES}
+        bandwidth = {k: STREAM_BYTES[k] * stream_n / r['median_s'] / 1e9 if 'median_s' in r else None
+                     for k, r in streams.items()}
+        progress.set('Adam, 64x64 grid')
+        cases['grid'] = run_case(adam, sets['grid'], rounds, warmup, progress)
+    if 'groups' in todo:
+        progress.set('Adam, 64x64 grid, a group per tensor')
+        cases['groups'] = run_case(installed(adam_contenders(backends, grouped=True))[0], sets['grid'], rounds,
+                                   warmup, progress)
+    if 'lion' in todo:
+        progress.set('Lion, GPT-2 small')
+        cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
+    if 'train' in todo:
+        progress.set("train step, demo's MLP")
+        cases['train'] = train_case(args.quick, rounds, warmup, progress)
+    if 'clip' in todo:
+        progress.set('Adam + clipping, GPT-2 small')
+        parts['clip'] = run_case(clip, sets['gpt2'], rounds, warmup, progress, ref='torch fused + clip_grad_norm_',
+                                 unchecked=unclipped)
+    if 'adam' in todo:
+        progress.set('peak memory')
+        mem = peak_memory(list(adam), args.quick, backends, progress)
+    if 'in_backward' in todo:
+        progress.set('InBackward')
+        parts['in_backward'] = in_backward_case(args.quick, rounds, warmup, progress)
+    if 'memory' in todo:
+        progress.set('state per rank: DDP, ZeRO, FSDP2')
+        parts['memory'] = state_memory(sets['gpt2'])
+    if 'catalogue' in todo:
+        shapes = gpt2_at(args.size, args.quick)
+        parts['catalogue'] = dict(size=args.size, numel=sum(math.prod(s) for _, s in shapes), tensors=len(shapes),
+                                  cases=catalogue_case(shapes, rounds, warmup, args.quick, args.optimizers, progress,
+                                                       skipped))
+    if 'compile' in todo:
+        progress.set('first compile, fresh processes')
+        parts['compile'] = dict(size=args.size, cases=compile_case(args.size, args.quick))
+    progress.close()
+    results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
+                   backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
+                   peak_mem_pct=mem, cases=cases, **parts, **({'skipped': skipped} if skipped else {}))
+    write(results, Path(args.out))
+    return results
