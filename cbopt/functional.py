@@ -26,8 +26,8 @@ from numbers import Number
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from ._torch import data_getter, tree_leaves
 from .core.chain import cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, is_model_cb, transient_keys, unwrap
 from .engine.scalars import ScalarArgsAsTensors
 from .engine.foreach import run_param
@@ -40,7 +40,7 @@ __all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPE
 
 HYPERS = 'hypers'
 """The functional state's entry for the dynamic hypers (`state[HYPERS]['lr']`), so no param may have this name."""
-_DATA = torch._C.TensorBase.__dict__['data']  # the `.data` getter, as a torch function mode sees it
+_DATA = data_getter()  # the `.data` getter, as a torch function mode sees it
 
 
 _SYM = {torch.sym_max: torch.maximum, torch.sym_min: torch.minimum}

@@ -12,6 +12,7 @@ import cbopt
 from cbopt.engine import compiled, scalars
 from conftest import assert_rel_close
 
+scalars.register_ops()  # (made on the first compile: `import cbopt` registers no op)
 SCALAR, SCALARS = torch.ops.cbopt.scalar.default, torch.ops.cbopt.scalars.default
 
 

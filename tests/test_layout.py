@@ -87,10 +87,23 @@ def test_the_graph_sees_package_inits():
 
 
 def test_core_imports_nothing_outside_core():
+    "...but `cbopt._torch`, the private torch APIs, a leaf that imports no cbopt module."
     graph = import_graph()
+    assert graph['cbopt._torch'] == set()
     for name, deps in graph.items():
         if name.startswith('cbopt.core'):
-            assert {d for d in deps if not d.startswith('cbopt.core')} == set(), name
+            assert {d for d in deps if not d.startswith('cbopt.core')} <= {'cbopt._torch'}, name
+
+
+def test_import_cbopt_imports_no_inductor_fastai_or_matplotlib():
+    """`import cbopt` (in a fresh interpreter) leaves out what only some users need and what doubles its time:
+    torch's compiler stack (`torch._inductor`, `torch._dynamo`: loaded on the first compile), fastai and matplotlib
+    (loaded by the integration and the bench that use them). It registers no `cbopt::` op either."""
+    heavy = ['torch._inductor', 'torch._dynamo', 'fastai', 'matplotlib']
+    code = ("import sys, torch, cbopt, cbopt.optim, cbopt.functional; "
+            f"print([m for m in {heavy!r} if m in sys.modules]); print(hasattr(torch.ops.cbopt, 'scalar'))")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split('\n')[:2] == ['[]', 'False'], out
 
 
 def test_top_level_has_few_modules():

@@ -8,14 +8,15 @@ group entries `'lbfgs.<key>'` (`func_evals`, `n_iter`, `d`, `t`, `old_dirs`, `ol
 `prev_flat_grad`, `prev_loss`: torch's names), so a checkpoint carries it by name, loads with weights_only, and a
 torch.optim.LBFGS state_dict (which keeps it under its first param) loads into it. The per-param chain is empty: every
 backend (loop, foreach, fused, auto) runs the same whole-model code. torch's strong-Wolfe line search
-(`torch.optim.lbfgs._strong_wolfe`) is reused as it is.
+(`torch.optim.lbfgs._strong_wolfe`, through `cbopt._torch.strong_wolfe`) is reused as it is.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
 import torch
-from torch.optim.lbfgs import _strong_wolfe
+
+from .._torch import strong_wolfe
 
 
 __all__ = ['lbfgs', 'LINE_SEARCHES']
@@ -48,6 +49,7 @@ def _check(ps: list, groups: list, max_eval, line_search_fn, d, prev_flat_grad) 
     if len(groups) != 1: raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
     if line_search_fn not in LINE_SEARCHES:
         raise ValueError(f"lbfgs: line_search_fn={line_search_fn!r} is not supported: only None or 'strong_wolfe'")
+    if line_search_fn == 'strong_wolfe': strong_wolfe()  # (raises where this torch has none)
     if max_eval is not None and (isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1):
         raise ValueError(f"lbfgs: max_eval must be None or an int >= 1, got {max_eval!r}")
     numel = sum(_real(p).numel() for p in ps)
@@ -112,7 +114,7 @@ def lbfgs(params, groups, closure: Callable, loss, lr, max_iter, max_eval, toler
                 for p, x_p in zip(ps, x): p.copy_(x_p)
                 return f, g
             x_init = [p.clone(memory_format=torch.contiguous_format) for p in ps]
-            loss, flat_grad, t, ls_func_evals = _strong_wolfe(evaluate, x_init, t, d, loss, flat_grad, gtd,
+            loss, flat_grad, t, ls_func_evals = strong_wolfe()(evaluate, x_init, t, d, loss, flat_grad, gtd,
                                                               max_ls=max_eval - current_evals)
             _add(ps, t, d)
             opt_cond = flat_grad.abs().max() <= tolerance_grad

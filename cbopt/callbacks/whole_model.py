@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .._torch import device_dtype_groups, foreach_op
 from ..core.chain import zeros
 from ..core.dtensor import across_shards, any_across_shards, global_value, layout_key, local
 
@@ -27,9 +28,9 @@ def _torch_order(params: list) -> list:
     """The buckets in the order torch's `clip_grad_norm_` stacks its (device, dtype) groups (not the order they come
     in): the sum of the norms is then the same, bit for bit."""
     if len(params) < 2: return params
-    try: from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
-    except ImportError: return params
-    keys = list(_group_tensors_by_device_and_dtype([[tl.grad[0] for tl in params]]))
+    group = device_dtype_groups()
+    if group is None: return params
+    keys = list(group([[tl.grad[0] for tl in params]]))
     rank = {k: i for i, k in enumerate(keys)}
     return sorted(params, key=lambda tl: rank.get((tl.grad[0].device, tl.grad[0].dtype), len(rank)))
 
@@ -59,7 +60,7 @@ def _max_abs_across_shards(tl) -> torch.Tensor:
     """The inf norm of the sharded grads of bucket `tl` across ranks: a rank's shard of a small param may be empty,
     where torch's inf norm has no value, so each rank reduces its non-empty shards (0 if none), then one all-reduce."""
     shards = [g for g in map(local, tl.grad) if g.numel()]
-    own = torch.stack(torch._foreach_norm(shards, math.inf)).amax() if shards else \
+    own = torch.stack(foreach_op('norm')(shards, math.inf)).amax() if shards else \
         torch.zeros((), dtype=tl.grad[0].dtype, device=tl.grad[0].device)
     return across_shards(own, tl.grad[0], 'max')
 
@@ -111,7 +112,7 @@ def _any_nonfinite(tl) -> bool:
     of each, inf or NaN if any element is), then one all-reduce for sharded grads, so every rank skips alike."""
     shards = [g for g in map(local, tl.grad) if g.numel()]  # (a rank's shard of a small param may be empty)
     bad = torch.zeros((), dtype=torch.bool, device=tl.grad[0].device)
-    if shards: bad = ~torch.isfinite(torch.stack(torch._foreach_norm(shards, math.inf))).all()
+    if shards: bad = ~torch.isfinite(torch.stack(foreach_op('norm')(shards, math.inf))).all()
     return bool(any_across_shards(bad, tl.grad[0]))
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._torch import foreach_op
 from .dtensor import is_dtensor
 
 __all__ = ['TensorList', 'BucketError']
@@ -33,7 +34,7 @@ class BucketAttributeError(BucketError, AttributeError):
     "A tensor attribute that a whole bucket has no one value for (`tl.shape`); an AttributeError for `hasattr` too."
 
 
-def _fe(name: str): return getattr(torch, f'_foreach_{name}')
+_fe = foreach_op  # `torch._foreach_<name>`, looked up at each call
 _HALF = (torch.bfloat16, torch.float16)
 _PLAIN_NUMBERS = (float, int)  # (bool is a Number too: `isinstance` finds it)
 _MISSING = object()
@@ -87,7 +88,7 @@ def _wrap(res: list):
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     "torch.linalg.vector_norm per tensor; one foreach kernel for the norm of all of each tensor's elements."
     if dim is None and not keepdim and isinstance(x, TensorList):
-        return TensorList(torch._foreach_norm(list(x), ord, dtype=dtype))
+        return TensorList(_fe('norm')(list(x), ord, dtype=dtype))
     return _zip_call(torch.linalg.vector_norm, (x, ord, dim, keepdim), {'dtype': dtype})
 
 
@@ -198,9 +199,9 @@ class TensorList(list):
 
     def lerp(self, end, weight):
         w = weight if isinstance(weight, Number) else self._each(weight)
-        return TensorList(torch._foreach_lerp(list(self), self._each(end), w))
+        return TensorList(_fe('lerp')(list(self), self._each(end), w))
     def lerp_(self, end, weight):
-        torch._foreach_lerp_(list(self), self._each(end), weight if isinstance(weight, Number) else self._each(weight))
+        _fe('lerp_')(list(self), self._each(end), weight if isinstance(weight, Number) else self._each(weight))
         return self
 
     def _addc(self, name: str, t1, t2, value, inplace: bool):
@@ -234,23 +235,23 @@ class TensorList(list):
     def copy_(self, src):
         "Tensor.copy_ of each; per tensor for DTensors (sharded params), which have no `_foreach_copy_`."
         if any(is_dtensor(t) for t in self): _zip_call(torch.Tensor.copy_, (self, src), {})
-        else: torch._foreach_copy_(list(self), self._each(src))
+        else: _fe('copy_')(list(self), self._each(src))
         return self
     def zero_(self):
-        torch._foreach_zero_(list(self))
+        _fe('zero_')(list(self))
         return self
     def fill_(self, v):
         "Tensor.fill_ per tensor: every value as it is, -0.0 too (zero_ then add_ would give 0.0)."
         _zip_call(torch.Tensor.fill_, (self, v), {})
         return self
-    def clone(self, **kwargs): return TensorList(torch._foreach_clone(list(self), **kwargs))
+    def clone(self, **kwargs): return TensorList(_fe('clone')(list(self), **kwargs))
     def detach(self): return TensorList(t.detach() for t in self)
 
     def norm(self, p='fro', dim=None, keepdim=False, dtype=None, out=None):
         "Tensor.norm per tensor (torch.norm too); one foreach kernel for the norm of all of each tensor's elements."
         if out is not None: raise TypeError("TensorList.norm() takes no 'out'")
         if dim is None and not keepdim and (p == 'fro' or isinstance(p, Number)):
-            return TensorList(torch._foreach_norm(list(self), 2 if p == 'fro' else p, dtype=dtype))
+            return TensorList(_fe('norm')(list(self), 2 if p == 'fro' else p, dtype=dtype))
         return _zip_call(torch.Tensor.norm, (self, p, dim, keepdim), {'dtype': dtype})
 
     # -- operators -----------------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ class TensorList(list):
     def __rtruediv__(self, o): return self.reciprocal()._binary('mul', o, True)
     def __rpow__(self, o):
         if not isinstance(o, Number): return NotImplemented
-        return TensorList(torch._foreach_pow(o, list(self)))
+        return TensorList(_fe('pow')(o, list(self)))
     def __neg__(self): return self.neg()
     def __abs__(self): return self.abs()
     def __getitem__(self, i):

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._torch import metadata_guard
 from ..core.chain import chain_scope, param_chain
 from ..core.dtensor import is_dtensor, layout_key
 from ..core.tensorlist import TensorList
@@ -94,16 +95,6 @@ def buckets(opt) -> list[Bucket]:
     return list(_keyed_buckets(opt).values())
 
 
-def _metadata_guard(tensors: list):
-    """torch's own check of tensors' metadata (dynamo's `TensorGuards`: Python type, dispatch keys, dtype, device,
-    requires_grad, sizes and strides, in C++): `guard.check(*tensors)` is whether each tensor still has what its
-    counterpart had here. None where torch has no such check."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    except (ImportError, TypeError, RuntimeError): return None
-
-
 _GRAD = attrgetter('grad')
 _NONE = type(None)
 _NUMBERS = (int, float, bool)  # Python state values a plan compares (step counts, flags); any other: no plan
@@ -113,7 +104,7 @@ class BucketPlan:
     """`buckets(opt)`, kept between steps and checked at each against what it was made from, which costs a fraction
     of making it again: per param, C-level passes over the params, grads and state (which params have a grad, the
     same state dicts with the same keys, the Python values equal within each bucket) and one metadata check of
-    every param, grad and state tensor (`_metadata_guard`). Grads are new tensors each step (`zero_grad` sets them
+    every param, grad and state tensor (`cbopt._torch.metadata_guard`). Grads are new tensors each step (`zero_grad` sets them
     to None), a param can be given new memory, a dtype or another shape, state can be loaded or written: whatever
     changes the buckets fails the check. A step finds the buckets `buckets` would make, in its order."""
 
@@ -128,7 +119,7 @@ class BucketPlan:
                        for g in opt.param_groups]
         plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked)
         ts = self._tensors(opt) if plain else None
-        self.guard = None if ts is None else _metadata_guard(ts)
+        self.guard = None if ts is None else metadata_guard(ts)
 
     def _tensors(self, opt) -> list | None:
         "Every param with a grad, its grad and each tensor of its state, as now; None if one is not where it was."

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 
 import torch
 
+from .._torch import compile_config, inductor_options
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
 from .buckets import Bucket
 from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chunks
 from .foreach import foreach_bucket
-from .scalars import ScalarArgsAsTensors, ScalarsOnce
+from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
 __all__ = ['compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
 
@@ -67,15 +69,18 @@ def _fused_chain_fn(cbs, name: str) -> Callable:
 def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | None = None) -> Callable:
     """The chain compiled for the params `idx` of `b` (flat: for runs of `flat_run` flat params), with dynamic shapes
     and Python numbers: a change of lr or step does not recompile. Compiled once per chain and layout (device, dtype,
-    ranks or run length, state keys) in this process."""
+    ranks or run length, state keys) in this process. Raises (before anything is stepped) where torch refuses an
+    option (`cbopt._torch.inductor_options`)."""
     p0 = b.params[idx[0]]
     ranks = ('flat', flat_run) if flat_run else tuple(b.params[i].ndim for i in idx)
     key = (compiler, chain_sig(cbs), p0.device, p0.dtype, ranks, tuple(b.states[idx[0]]))
     if key not in _COMPILED:
+        register_ops()
         fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
         # dynamic shapes come from `compiled_bucket`'s config patch, once per bucket: `dynamic=True` would patch the
-        # config again at every call; inductor's size asserts repeat what dynamo's guards checked before the call
-        options = {'size_asserts': False, 'post_grad_custom_post_pass': ScalarsOnce()} if compiler == 'inductor' else None
+        # config again at every call
+        # (`scalars_once_pass` is None where this torch cannot run it: then each scalar is computed in its own barrier)
+        options = inductor_options(scalars_once_pass()) if compiler == 'inductor' else None
         _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, options=options)
     return _COMPILED[key]
 
@@ -89,7 +94,8 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     """Step `b` with the compiled chain: flat params in runs of `compile_chunk` (`flat_chunks`, the last one padded:
     one graph) where `flat_inputs` gives them, else in chunks of params of the same shape (`shape_chunks`).
     Compilation traces the chain before running anything, so a chain that cannot compile raises before its first
-    chunk is touched."""
+    chunk is touched; so do dynamo's settings and inductor's options that this torch does not know (`CompileFailed`,
+    with the whole bucket)."""
     on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`; a shard's local tensors step by shape)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     kept = runtime(opt).flat_aliases.setdefault(b.layout, {})
@@ -109,9 +115,11 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
         members, pack = [[i] for i in range(len(b.params))], None
         chunks = shape_chunks([p.shape for p in b.params], run)
     hyper = dict(hyper)
-    fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for every run)
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False, assume_static_by_default=False), \
-            torch.fx.experimental._config.patch(use_duck_shape=not flat):  # flat: every size its own symbol
+    with ExitStack() as settings:
+        try:  # an unknown setting or option raises here, before any chunk is touched: the whole bucket is handed back
+            settings.enter_context(compile_config(duck_shapes=not flat))  # flat: every size its own symbol
+            fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for all runs)
+        except Exception as e: raise CompileFailed(e, b) from e
         for j, idx in enumerate(chunks):
             if flat:
                 ps, ts = [params[i] for i in idx], [tstates[i] for i in idx]
@@ -121,8 +129,9 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
             else:
                 ts = [{k: local(v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
                 ps = [local_param(b.params[i]) if on_shards else b.params[i] for i in idx]
-                fn = compiled_chain(b.cbs, options.compiler, b, idx)
-            try: new_t, new_py = fn(ps, ts, pystate, hyper)
+            try:
+                if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx)
+                new_t, new_py = fn(ps, ts, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
                 rest = [i for c in chunks[j:] for s in c for i in members[s]]
                 raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e

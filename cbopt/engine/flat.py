@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .._torch import flatten_dense, foreach_op
 from ..core.chain import chain_scope
 from .buckets import Bucket
 
@@ -102,7 +103,7 @@ class Pack:
         self.qs, self.tstates = qs, tstates  # (where `scatter` writes back)
         torch.cat(qs, out=self.param)
         for k, buf in self.state.items(): torch.cat([ts[k] for ts in tstates], out=buf)
-        self.param.grad = torch._utils._flatten_dense_tensors(grads)
+        self.param.grad = flatten_dense(grads)
         self.values = {k: tstates[0][k].clone() for k in self.shared}
         return self.param, {**self.state, **self.values}
 
@@ -110,11 +111,11 @@ class Pack:
         """The results back into each param and its state; an entry the chain rebound (`new_t`) gives each param its
         own part of it (a copy: no param's state holds another's memory alive), a shared 0-d entry its value (an
         element each of one new buffer)."""
-        torch._foreach_copy_(self.qs, self.views['param'])
+        foreach_op('copy_')(self.qs, self.views['param'])
         for k in self.keys:
-            if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], self.views[k])
+            if k not in new_t: foreach_op('copy_')([ts[k] for ts in self.tstates], self.views[k])
         for k in self.shared:
-            if k not in new_t: torch._foreach_copy_([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
+            if k not in new_t: foreach_op('copy_')([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
         for k, v in new_t.items():  # (a shared 0-d entry the chain made param-shaped is split as any other)
             if v.shape == self.param.shape:
                 for i, part in zip(self.members, v.split(self.sizes)): b.states[i][k] = part.view(b.params[i].shape).clone()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from .._torch import fused_kernel
 from ..core.chain import chain_sig
 from ..core.hypers import is_model_entry
 from ..core.flags import FLAGS
@@ -146,20 +147,23 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
                 op: str = '_fused_adamw_', **scales) -> Callable[[], None] | None:
     """`torch._fused_adamw_` doing exactly what cbopt's AdamW chain does to `b` (with `maximize`: the chain after
     `negate_grad`; with `amsgrad`: the chain with `amsgrad_max`; `scales`: see `kernel_step`), or None if it does not
-    apply. `op` names the torch kernel, looked up at each step: `'_fused_adam_'` (`fused_adam`) adds the L2 term
+    apply (also where this torch has no such kernel: `cbopt._torch.fused_kernel`). `op` names the torch kernel,
+    looked up at each step: `'_fused_adam_'` (`fused_adam`) adds the L2 term
     `weight_decay * p` to the grad (negated, divided) inside its pass where `_fused_adamw_` shrinks the param, so it
     steps the chain with `l2_reg` in place of `weight_decay`, all else the same."""
     st, p0 = b.states[0], b.params[0]
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     if _algo_keys(st) != {*moments, 'step'} or 'dampening' in hyper: return None
+    kernel = fused_kernel(op)
+    if kernel is None: return None
     step = st['step'] + 1
     step_t = _step_tensor(step, p0.device)
 
     def call(ps, gs, *bufs, grad_scale):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
-        getattr(torch, op)(ps, gs, *bufs, *no_max, [step_t] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
-                           beta2=hyper['sqr_mom'], eps=hyper['eps'], weight_decay=_wd(hyper, st), amsgrad=amsgrad,
-                           maximize=maximize, grad_scale=grad_scale)
+        kernel(ps, gs, *bufs, *no_max, [step_t] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
+               beta2=hyper['sqr_mom'], eps=hyper['eps'], weight_decay=_wd(hyper, st), amsgrad=amsgrad,
+               maximize=maximize, grad_scale=grad_scale)
     run = kernel_step(b, hyper, moments, ('mom', 'sqr_mom', 'eps', 'wd'), call, on_dtensors=True, **scales)
     return None if run is None else _counting_steps(run, b, step)
 
@@ -183,12 +187,14 @@ def fused_sgd(b: Bucket, hyper: Mapping, momentum: bool = False, dampened: bool 
     # `dampening` is only `dampened_grad_avg`'s (`average_grad` would read it as its own flag: Adam's dampening)
     if momentum and hyper['mom'] == 0 or not dampened and hyper.get('dampening', 0): return None
     if decoupled and _wd(hyper, st) != 0: return None
+    kernel = fused_kernel('_fused_sgd_')
+    if kernel is None: return None
 
     def call(ps, gs, *bufs, grad_scale):
-        torch._fused_sgd_(ps, gs, *(bufs or ([],)), weight_decay=0. if decoupled else _wd(hyper, st),
-                          momentum=hyper['mom'] if momentum else 0., lr=hyper['lr'],
-                          dampening=hyper['dampening'] if dampened else 0., nesterov=nesterov, maximize=maximize,
-                          is_first_step=False, grad_scale=grad_scale)
+        kernel(ps, gs, *(bufs or ([],)), weight_decay=0. if decoupled else _wd(hyper, st),
+               momentum=hyper['mom'] if momentum else 0., lr=hyper['lr'],
+               dampening=hyper['dampening'] if dampened else 0., nesterov=nesterov, maximize=maximize,
+               is_first_step=False, grad_scale=grad_scale)
     numbers = ('wd',) + (('mom',) if momentum else ()) + (('dampening',) if dampened else ())
     return kernel_step(b, hyper, buffers, numbers, call, **scales)
 
@@ -201,13 +207,15 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
     st, p0 = b.states[0], b.params[0]
     if _algo_keys(st) != {'sqr_sum', 'step'}: return None
     if decoupled and _wd(hyper, st) != 0: return None
+    kernel = fused_kernel('_fused_adagrad_')
+    if kernel is None: return None
     step = st['step'] + 1
     step_t = torch.tensor(float(step), device=p0.device)  # (the kernel reads it as a float: exact to 2**24 steps)
 
     def call(ps, gs, sums, grad_scale):
-        torch._fused_adagrad_(ps, gs, sums, [step_t] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
-                              weight_decay=0. if decoupled else _wd(hyper, st), eps=hyper['eps'], maximize=maximize,
-                              grad_scale=grad_scale)
+        kernel(ps, gs, sums, [step_t] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
+               weight_decay=0. if decoupled else _wd(hyper, st), eps=hyper['eps'], maximize=maximize,
+               grad_scale=grad_scale)
     run = kernel_step(b, hyper, ('sqr_sum',), ('lr_decay', 'wd', 'eps', 'initial_accumulator_value'), call, **scales)
     if run is None: return None
 

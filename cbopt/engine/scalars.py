@@ -1,27 +1,38 @@
 """The scalar barrier of compiled chains: every Python number a callback passes to a torch op becomes a 0-d tensor
 behind the opaque op `cbopt::scalar` (`ScalarArgsAsTensors`), so dynamo keeps it a graph input (a changed lr or step
 never recompiles) and inductor cannot fold it into the code; `ScalarsOnce`, an inductor graph pass, computes each
-distinct scalar once per graph (`cbopt::scalars`) instead of once per param the chain is unrolled over."""
+distinct scalar once per graph (`cbopt::scalars`) instead of once per param the chain is unrolled over.
+
+Both are made on first use (`register_ops`, `scalars_once_pass`: the compiled chain's first compile), so `import cbopt`
+registers no op and imports no part of `torch._inductor`. Where this torch lacks what the pass needs
+(`cbopt._torch.inductor_pass_api`), compiled chains run without it: the same values, more Python per call."""
 from __future__ import annotations
 
 import operator
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import stable_topological_sort
 
-__all__ = ['scalar', 'ScalarArgsAsTensors', 'ScalarsOnce']
+from .._torch import inductor_pass_api
 
-
-_LIB = torch.library.Library('cbopt', 'DEF')  # (a plain op: `torch.library.custom_op`'s wrapping costs 4x per call)
-_LIB.define('scalar(Tensor x) -> Tensor')
-_LIB.impl('scalar', lambda x: x.clone(), 'CompositeExplicitAutograd')
-torch.library.register_fake('cbopt::scalar', lambda x: torch.empty_like(x), lib=_LIB)
+__all__ = ['scalar', 'register_ops', 'scalars_once_pass', 'ScalarArgsAsTensors', 'ScalarsOnce']
 
 
-_LIB.define('scalars(Tensor[] xs) -> Tensor[]')  # (several at once: `ScalarsOnce`)
-_LIB.impl('scalars', lambda xs: [x.clone() for x in xs], 'CompositeExplicitAutograd')
-torch.library.register_fake('cbopt::scalars', lambda xs: [torch.empty_like(x) for x in xs], lib=_LIB)
+_LIB = None  # the `cbopt` op library, once `register_ops` made it
+
+
+def register_ops() -> None:
+    """Define `cbopt::scalar` and `cbopt::scalars` (with their fake kernels, for tracing), once per process: on the
+    first compile, not at `import cbopt` (an import should not register ops nobody calls)."""
+    global _LIB
+    if _LIB is not None: return
+    lib = torch.library.Library('cbopt', 'DEF')  # (a plain op: `torch.library.custom_op`'s wrapping costs 4x per call)
+    lib.define('scalar(Tensor x) -> Tensor')
+    lib.impl('scalar', lambda x: x.clone(), 'CompositeExplicitAutograd')
+    torch.library.register_fake('cbopt::scalar', lambda x: torch.empty_like(x), lib=lib)
+    lib.define('scalars(Tensor[] xs) -> Tensor[]')  # (several at once: `ScalarsOnce`)
+    lib.impl('scalars', lambda xs: [x.clone() for x in xs], 'CompositeExplicitAutograd')
+    torch.library.register_fake('cbopt::scalars', lambda xs: [torch.empty_like(x) for x in xs], lib=lib)
+    _LIB = lib
 
 
 def scalar(x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +40,7 @@ def scalar(x: torch.Tensor) -> torch.Tensor:
     Inductor otherwise inlines a 0-d computation into every loop over a param that uses it, where it is redone for
     each vector of elements: a chain's per-step scalar math (`mom ** step`, NAdam's momentum schedule: `pow`s and
     divisions in double) made its compiled step several times slower than the memory traffic (README, catalogue)."""
+    if _LIB is None: register_ops()
     return torch.ops.cbopt.scalar.default(x)
 
 
@@ -100,12 +112,13 @@ def _once(v, floats: bool = True, to: torch.dtype | None = None):
     return scalar(v.to(to) if to is not None and v.dtype == torch.float64 else v)
 
 
-class ScalarsOnce(CustomGraphPass):
+class _ScalarsOnce:
     """Inductor pass (after autograd, before lowering): each step's `cbopt::scalar`s in as few calls as can be. The
     chain runs once per param of a compiled call, so each per-step number (`lr`, `1 - mom`) reaches `scalar` once per
     param, and each `scalar` is a call of a Python op at every step (Lion: 40 a graph, 19 graph calls a step, 15 ms of
     a 90 ms step on GPT-2 at half width). So: one `scalar` per value; none of a graph input (computed already); then
-    the `scalar`s that do not depend on each other as one call of `cbopt::scalars`."""
+    the `scalar`s that do not depend on each other as one call of `cbopt::scalars`. The class `ScalarsOnce` is this
+    one on inductor's `CustomGraphPass` (made when first asked for: it imports `torch._inductor`)."""
     def __call__(self, graph: torch.fx.Graph) -> None:
         seen: dict = {}
         for node in [n for n in graph.nodes if _is_scalar(n)]:
@@ -116,16 +129,42 @@ class ScalarsOnce(CustomGraphPass):
                 graph.erase_node(node)
         _merge_scalars(graph)
 
-    def uuid(self) -> bytes: return get_hash_for_files((__file__,))
+    def uuid(self) -> bytes: return _API.get_hash_for_files((__file__,))
 
 
-_CONVERSIONS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+_API = None  # `cbopt._torch.inductor_pass_api()`, once asked for
+_CLASS: dict = {}  # 'ScalarsOnce' -> the class, once made
+
+
+def _pass_class() -> type | None:
+    "`ScalarsOnce`, made on inductor's `CustomGraphPass` the first time; None where this torch lacks the pass API."
+    global _API
+    if 'ScalarsOnce' not in _CLASS:
+        _API = inductor_pass_api()
+        _CLASS['ScalarsOnce'] = None if _API is None else \
+            type('ScalarsOnce', (_ScalarsOnce, _API.CustomGraphPass), {'__module__': __name__, '__doc__': _ScalarsOnce.__doc__})
+    return _CLASS['ScalarsOnce']
+
+
+def scalars_once_pass():
+    "A `ScalarsOnce` pass for inductor's `post_grad_custom_post_pass` option, or None where this torch cannot run it."
+    cls = _pass_class()
+    return None if cls is None else cls()
+
+
+def __getattr__(name: str):
+    "`ScalarsOnce`, made when first asked for (it imports `torch._inductor`; `import cbopt` does not)."
+    if name == 'ScalarsOnce':
+        cls = _pass_class()
+        if cls is not None: return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _value_key(node: torch.fx.Node):
     """`node`'s value, for `ScalarsOnce`: the node, or for a dtype conversion (`_once`'s float32, made once per param
     of the graph) the conversion of its input's value."""
-    if node.op == 'call_function' and node.target in _CONVERSIONS:
+    if node.op == 'call_function' and node.target in (torch.ops.prims.convert_element_type.default,
+                                                       torch.ops.aten._to_copy.default):
         return node.target, _value_key(node.args[0]), node.args[1:], tuple(sorted(node.kwargs.items(), key=str))
     return node
 
@@ -137,8 +176,8 @@ def _is_scalar(node: torch.fx.Node) -> bool:
 def _mutates(node: torch.fx.Node) -> bool:
     "Whether `node` writes into a tensor (torch's input-mutation epilogue, an in-place op), or may (another kind of op)."
     t = node.target
-    return node.op == 'call_function' and (isinstance(t, torch._ops.HigherOrderOperator) or
-                                           isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable)
+    higher_order, overload = _API.op_kinds
+    return node.op == 'call_function' and (isinstance(t, higher_order) or isinstance(t, overload) and t._schema.is_mutable)
 
 
 def _written(node: torch.fx.Node) -> bool:
@@ -171,4 +210,4 @@ def _merge_scalars(graph: torch.fx.Graph) -> None:
             item.meta.update(m.meta)
             m.replace_all_uses_with(item)
             graph.erase_node(m)
-    if groups: stable_topological_sort(graph)
+    if groups: _API.stable_topological_sort(graph)

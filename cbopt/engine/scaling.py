@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._torch import foreach_op
+
 __all__ = ['scale_grads', 'unscale_grads', 'pay_scales']
 
 
@@ -13,9 +15,9 @@ def scale_grads(params: list, scale, in_place: bool = False) -> None:
     by_device: dict = {}
     for p in params: by_device.setdefault(p.grad.device, []).append(p)
     for device, ps in by_device.items():
-        if in_place: torch._foreach_mul_([p.grad for p in ps], scale.to(device))
+        if in_place: foreach_op('mul_')([p.grad for p in ps], scale.to(device))
         else:
-            for p, g in zip(ps, torch._foreach_mul([p.grad for p in ps], scale.to(device))): p.grad = g
+            for p, g in zip(ps, foreach_op('mul')([p.grad for p in ps], scale.to(device))): p.grad = g
 
 
 def unscale_grads(params: list, loss_scale: torch.Tensor) -> None:
@@ -25,7 +27,7 @@ def unscale_grads(params: list, loss_scale: torch.Tensor) -> None:
     inv = loss_scale.double().reciprocal().float()
     by_device: dict = {}
     for p in params: by_device.setdefault(p.grad.device, []).append(p.grad)
-    for device, grads in by_device.items(): torch._foreach_mul_(grads, inv.to(device))
+    for device, grads in by_device.items(): foreach_op('mul_')(grads, inv.to(device))
 
 
 def pay_scales(opt, scales: dict) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._torch import constant_result, dynamo_loaded
 from ..core.chain import cb_name
 from ..core.hypers import Hypers
 from . import traced
@@ -24,17 +25,37 @@ def run_step(opt, closure: Callable | None = None, loss=None) -> None:
 
     Under an outer `torch.compile` (`@torch.compile def step(): opt.step()`, torch's compiled-optimizer recipe) the
     step is traced into the caller's graph (`traced`), or, where it cannot be (`traced.can_trace`), runs eagerly: one
-    graph break."""
-    if torch.compiler.is_compiling() and closure is None and traced.can_trace(opt): return traced.traced_step(opt)
-    _eager_step(opt, closure, loss)
+    graph break. Once `torch._dynamo` is imported, the eager step is one dynamo never traces (`_off_dynamo`); before,
+    no frame can be under dynamo, and the step is called as it is."""
+    if torch.compiler.is_compiling():
+        if closure is None and traced.can_trace(opt): return traced.traced_step(opt)
+        _off_dynamo()
+        return _OFF_DYNAMO(opt, closure, loss)
+    if not dynamo_loaded(): return _eager_step(opt, closure, loss)
+    _off_dynamo()
+    _OFF_DYNAMO(opt, closure, loss)
 
 
-@torch._dynamo.disable(reason="cbopt's step runs eagerly here: its chain has a whole-model callback, GradScaler's inf "
-                        "check or a closure, its params are DTensors, or a callback reads a Python value of a tensor "
-                        "(see cbopt.engine.traced)")
 def _eager_step(opt, closure: Callable | None = None, loss=None) -> None:
     "`run_step` in eager mode (the engine's counters as Python numbers: `traced.counters_as_numbers`)."
     with traced.counters_as_numbers(opt): _eager_run(opt, closure, loss)
+
+
+_OFF_DYNAMO: Callable | None = None  # `_eager_step` as dynamo's `disable` makes it, once `_off_dynamo` has run
+
+
+@constant_result
+def _off_dynamo() -> bool:
+    """Make `_OFF_DYNAMO`, `_eager_step` marked for dynamo never to trace (`torch.compiler.disable`: a traced caller
+    breaks its graph there, naming the reason, and the step runs eagerly), once dynamo is imported: marking it at
+    import would import `torch._dynamo` with cbopt. Dynamo calls this eagerly when it traces a step (a constant
+    result), so the traced step then reads the global it made."""
+    global _OFF_DYNAMO
+    if _OFF_DYNAMO is None:
+        _OFF_DYNAMO = torch.compiler.disable(_eager_step, reason=(
+            "cbopt's step runs eagerly here: its chain has a whole-model callback, GradScaler's inf check or a "
+            "closure, its params are DTensors, or a callback reads a Python value of a tensor (see cbopt.engine.traced)"))
+    return True
 
 
 def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .._torch import constant_result
 from ..core.chain import chain_counters, is_declared, is_model_cb, param_chain, transient_keys
 from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
@@ -79,7 +80,7 @@ def _reads_values(cbs: list, p: torch.Tensor, state: Mapping, hyper: Mapping) ->
     return False
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def prepare(opt) -> bool:
     """Run when dynamo traces a step, never in the graph (dynamo calls it eagerly and keeps its answer, as it does
     torch's `_init_group`). Returns whether every group with grads can be traced (see the module docstring); if so,

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .._torch import strong_wolfe
 from ..callbacks.quasi_newton import LINE_SEARCHES, lbfgs
 from ..core.hypers import check_hyper
 from ..core.params import named_groups
@@ -22,6 +23,7 @@ def LBFGS(params: Any, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eva
     `max_iter * 5 // 4`, stored as torch stores it. A fastai Learner steps without a closure: it gets an error."""
     if line_search_fn not in LINE_SEARCHES:
         raise ValueError(f"line_search_fn={line_search_fn!r} is not supported: only None or 'strong_wolfe'")
+    if line_search_fn == 'strong_wolfe': strong_wolfe()  # (a clear error now where this torch has none)
     check_hyper('max_iter', max_iter)
     if max_eval is None: max_eval = max_iter * 5 // 4
     if isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1:

@@ -1,0 +1,225 @@
+"""The one module that touches torch's private APIs: each is found here, lazily and by feature (`getattr`, a guarded
+import), and where one is missing or renamed cbopt degrades to the fallback named below, with one warning per process,
+never an import error or a crash in the middle of a step. `import cbopt` imports nothing here beyond `torch` itself:
+`torch._dynamo` and `torch._inductor` (which would double the import time) load on cbopt's first compile, or when
+the user's own `torch.compile` loads them.
+
+Private APIs used (why; since which torch; the fallback). "2.13" means at least 2.13, the version tested, where
+torch's history was not checked.
+
+- `torch._foreach_<op>` (`foreach_op`): one kernel per op for a whole bucket, the `foreach` backend's ops
+  (`TensorList`), grad scaling, grad norms, flat-run copies. Since 1.7 (most ops; `_foreach_lerp_`,
+  `_foreach_pow`, `_foreach_copy_`, `_foreach_clone`: 2.13). Missing: the op runs once per tensor (what torch's own
+  foreach "slow path" runs on CPU: the same values).
+- `torch._fused_adamw_`, `_fused_adam_` (2.0; CPU from 2.4), `_fused_sgd_`, `_fused_adagrad_` (2.13)
+  (`fused_kernel`): torch's fused optimizer kernels, for the chains registered with one (`engine/kernels.py`).
+  Missing: the `fused` and `auto` backends step that chain compiled (or with foreach).
+- The attribute `_dynamo_marked_constant` (`constant_result`; 2.0): what `torch.compiler.assume_constant_result`
+  sets on a function (dynamo then calls it eagerly at trace time and keeps its answer), set here without importing
+  `torch._dynamo`; where dynamo is loaded already, the public call. Used by the traced step's `prepare` and by the
+  step's `_off_dynamo`, which marks the eager step with the public `torch.compiler.disable` once dynamo is loaded.
+  Were the mark ignored, dynamo would trace into those functions: `_off_dynamo` still works, with one graph break
+  more; `prepare` would not trace (the step under an outer `torch.compile` breaks its graph).
+- `torch._dynamo.config` keys `force_parameter_static_shapes`, `assume_static_by_default`, and
+  `torch.fx.experimental._config.use_duck_shape` (`compile_config`; 2.13): the compiled chain's dynamic shapes
+  (no recompile per param shape or flat-run size). Inductor's options `size_asserts` and
+  `post_grad_custom_post_pass` (`inductor_options`; 2.13). An unknown key raises inside the compiled runner's
+  fallback: that chain runs with foreach, with the runner's one-time warning.
+- `torch._inductor.custom_graph_pass.CustomGraphPass`, `get_hash_for_files`, and
+  `torch._inductor.pattern_matcher.stable_topological_sort` (`inductor_pass_api`; 2.13): the `ScalarsOnce` graph
+  pass (`engine/scalars.py`), which computes each per-step scalar once per graph. Missing: no `ScalarsOnce` (each
+  param's scalars are computed in its own barrier: same values, more Python per call).
+- `torch._ops.OpOverload`, `torch._ops.HigherOrderOperator` (`op_kinds`; 2.13): which graph nodes may write, for
+  `ScalarsOnce` (found with the pass: missing, no pass).
+- `torch._C._dynamo.guards.TensorGuards` (`metadata_guard`; 2.13): torch's C++ check of tensors' metadata, which
+  makes a kept bucket plan cheap to check (`engine/buckets.py`). Missing: the plan is rebuilt at every step.
+- `torch._utils._flatten_dense_tensors` (`flatten_dense`; before 1.0): the packed grads of small params. Missing:
+  `torch.cat` of flat views (what it computes).
+- `torch.utils._foreach_utils._group_tensors_by_device_and_dtype` (`device_dtype_groups`; 2.0): the order in which
+  `clip_grad_norm_` stacks its per-(device, dtype) norms, so cbopt's sum is torch's bit for bit. Missing: the
+  buckets' own order (the same norm, rounded in another order).
+- `torch.utils._pytree.tree_leaves` (`tree_leaves`; 2.13): the tensors of a nested structure, for
+  `cbopt.functional`. Missing: dicts, lists and tuples walked here.
+- `torch._C.TensorBase` (`data_getter`; 2.2, `torch._C._TensorBase` before): the `.data` getter, as a torch
+  function mode sees it, for `cbopt.functional`.
+- `torch.optim.lbfgs._strong_wolfe` (`strong_wolfe`; 1.2): torch's strong-Wolfe line search, which `lbfgs` reuses.
+  Missing: `line_search_fn='strong_wolfe'` is refused with a clear error before the step changes anything; without
+  a line search L-BFGS works as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = ['warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
+           'compile_config', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
+           'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
+           'data_getter', 'strong_wolfe']
+
+_WARNED: set = set()
+
+
+def warn_fallback(key: Any, msg: str) -> None:
+    """Warn once per process and `key` that cbopt fell back from a private torch API that this torch lacks: the
+    fallback is right, but slower or less exact, and the user should know why."""
+    if key in _WARNED: return
+    _WARNED.add(key)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# -- foreach and fused kernels -------------------------------------------------------------------------------------
+def foreach_op(name: str) -> Callable:
+    """`torch._foreach_<name>`, looked up at each call (as torch's own code does; a test's spy on the op sees it),
+    or, where this torch has no such op, the op once per tensor (`_per_tensor`), with one warning."""
+    op = getattr(torch, '_foreach_' + name, None)
+    return op if op is not None else _per_tensor(name)
+
+
+_PER_TENSOR = {  # where the foreach op's arguments are not the tensor method's
+    'norm': lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype),
+    **{f'{op}{i}': (lambda m: lambda t, a, b, value=1: m(t, a, b, value=value))(getattr(torch.Tensor, op + i))
+       for op in ('addcmul', 'addcdiv') for i in ('', '_')},  # (foreach takes `value` by position)
+}
+
+
+def _per_tensor(name: str) -> Callable:
+    """The foreach op `name` as one call per tensor: the tensor method of that name (`add_`, `lerp`, `copy_`...), with
+    every list argument picked per tensor and any other one passed whole; `pow` with a number first (`number **
+    tensors`) too."""
+    warn_fallback(('foreach', name), f"this torch has no torch._foreach_{name}: cbopt runs that op once per tensor "
+                  "(the same values, more Python per step)")
+    one = _PER_TENSOR.get(name) or getattr(torch.Tensor, name)
+
+    def each(first, *args, **kwargs):
+        if not isinstance(first, (list, tuple)):  # `_foreach_pow(number, tensors)`
+            return [torch.pow(first, t) for t in args[0]]
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a
+        res = [one(t, *(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
+               for i, t in enumerate(first)]
+        return None if name.endswith('_') else res
+    return each
+
+
+def fused_kernel(name: str) -> Callable | None:
+    """torch's fused optimizer kernel `torch.<name>` (`'_fused_adamw_'`...), looked up at each step, or None where this
+    torch has none (one warning): the caller's bucket then steps its chain compiled (or with foreach)."""
+    kernel = getattr(torch, name, None)
+    if kernel is None:
+        warn_fallback(('fused', name), f"this torch has no torch.{name}: cbopt steps the chains registered with it "
+                      "through the compiled chain (or foreach) instead")
+    return kernel
+
+
+# -- dynamo: eager-only functions and constant results, without importing it -----------------------------------------
+def dynamo_loaded() -> bool:
+    "Whether `torch._dynamo` is imported: no frame can be under dynamo's eval-frame hook before it is."
+    return 'torch._dynamo' in sys.modules
+
+
+def constant_result(fn: Callable) -> Callable:
+    """`fn` marked as `torch.compiler.assume_constant_result` marks it (dynamo calls it eagerly at trace time and keeps
+    its answer), without importing `torch._dynamo`: the attribute that call sets. Where dynamo is imported already,
+    the public call itself."""
+    if dynamo_loaded(): return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# -- the compiled chain's settings -------------------------------------------------------------------------------------
+DYNAMO_CONFIG = {'force_parameter_static_shapes': False, 'assume_static_by_default': False}  # dynamic shapes
+SHAPE_CONFIG = 'use_duck_shape'  # torch.fx.experimental._config: False gives every size its own symbol
+INDUCTOR_OPTIONS = {'size_asserts': False}  # inductor's size asserts repeat what dynamo's guards checked before the call
+
+
+def inductor_options(graph_pass: Any = None) -> dict:
+    "Inductor's options for the compiled chain: `INDUCTOR_OPTIONS`, and `graph_pass` as its post-grad pass if given."
+    return {**INDUCTOR_OPTIONS, **({'post_grad_custom_post_pass': graph_pass} if graph_pass is not None else {})}
+
+
+@contextlib.contextmanager
+def compile_config(duck_shapes: bool) -> Iterator[None]:
+    """dynamo's settings for the compiled chain: dynamic shapes (`DYNAMO_CONFIG`), sizes shared by equal ones only with
+    `duck_shapes`. A key this torch does not know raises AttributeError on entry, before anything is compiled or
+    stepped (the compiled runner then falls back to foreach)."""
+    import torch._dynamo
+    import torch.fx.experimental._config as shape_config
+    with torch._dynamo.config.patch(**DYNAMO_CONFIG), shape_config.patch(**{SHAPE_CONFIG: duck_shapes}): yield
+
+
+def inductor_pass_api() -> SimpleNamespace | None:
+    """What an inductor graph pass needs (`CustomGraphPass`, the base class inductor caches passes by;
+    `get_hash_for_files`, for its cache key; `stable_topological_sort`), imported now (it imports `torch._inductor`);
+    None where this torch lacks one (one warning: no `ScalarsOnce`)."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+        from torch._inductor.pattern_matcher import stable_topological_sort
+        kinds = op_kinds()
+    except (ImportError, AttributeError) as e:
+        warn_fallback('inductor_pass', f"this torch lacks what cbopt's ScalarsOnce graph pass needs ({e}): compiled "
+                      "chains compute each param's scalars in their own barrier (the same values, more Python per call)")
+        return None
+    return SimpleNamespace(CustomGraphPass=CustomGraphPass, get_hash_for_files=get_hash_for_files,
+                           stable_topological_sort=stable_topological_sort, op_kinds=kinds)
+
+
+def op_kinds() -> tuple[type, type]:
+    "torch's classes of graph-node targets that may write into their inputs: `HigherOrderOperator`, `OpOverload`."
+    return torch._ops.HigherOrderOperator, torch._ops.OpOverload
+
+
+# -- engine helpers --------------------------------------------------------------------------------------------------
+def metadata_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """torch's own check of tensors' metadata (dynamo's C++ `TensorGuards`: Python type, dispatch keys, dtype, device,
+    requires_grad, sizes and strides): `guard.check(*tensors)` is whether each tensor still has what its counterpart
+    had here. None where torch has no such check (the caller then checks another way)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+        return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (ImportError, TypeError, RuntimeError): return None
+
+
+def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    "The tensors' elements as one new flat tensor, in order (torch's `_flatten_dense_tensors`, or the same by `cat`)."
+    flatten = getattr(getattr(torch, '_utils', None), '_flatten_dense_tensors', None)
+    if flatten is not None: return flatten(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def device_dtype_groups() -> Callable | None:
+    """torch's `_group_tensors_by_device_and_dtype` (which orders `clip_grad_norm_`'s per-(device, dtype) norms), or
+    None where this torch has none."""
+    try: from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+    except ImportError: return None
+    return _group_tensors_by_device_and_dtype
+
+
+def tree_leaves(tree: Any) -> list:
+    "The leaves of a nested structure, as torch's pytree finds them (or, without it, of nested dicts, lists, tuples)."
+    try: from torch.utils._pytree import tree_leaves as leaves
+    except ImportError: leaves = None
+    if leaves is not None: return leaves(tree)
+    if isinstance(tree, dict): return [x for v in tree.values() for x in tree_leaves(v)]
+    if isinstance(tree, (list, tuple)): return [x for v in tree for x in tree_leaves(v)]
+    return [tree]
+
+
+def data_getter() -> Any:
+    "The `.data` getter of tensors, the object a torch function mode gets as `func` when a callback reads `p.data`."
+    base = getattr(torch._C, 'TensorBase', None) or getattr(torch._C, '_TensorBase')
+    return base.__dict__['data']
+
+
+def strong_wolfe() -> Callable:
+    """torch's strong-Wolfe line search (`torch.optim.lbfgs._strong_wolfe`), or a ValueError naming what is missing:
+    asked for before an L-BFGS step with `line_search_fn='strong_wolfe'` changes anything."""
+    try: from torch.optim.lbfgs import _strong_wolfe
+    except ImportError:
+        raise ValueError(f"line_search_fn='strong_wolfe' needs torch.optim.lbfgs._strong_wolfe, which torch "
+                         f"{torch.__version__} does not have: use line_search_fn=None") from None
+    return _strong_wolfe
