@@ -42,16 +42,19 @@ torch's history was not checked.
   `cbopt.functional`. Missing: dicts, lists and tuples walked here.
 - `torch._C.TensorBase` (`data_getter`; 2.2, `torch._C._TensorBase` before): the `.data` getter, as a torch
   function mode sees it, for `cbopt.functional`.
+- `torch._dynamo.utils.counters` (`dynamo_counters`; 2.0): what dynamo and inductor counted (graphs, FX-graph
+  cache hits), for `python -m cbopt bench`'s first-compile report. Missing: empty counts.
 - `torch.optim.lbfgs._strong_wolfe` (`strong_wolfe`; 1.2): torch's strong-Wolfe line search, which `lbfgs` reuses.
   Missing: `line_search_fn='strong_wolfe'` is refused with a clear error before the step changes anything; without
   a line search L-BFGS works as before.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,7 +63,7 @@ import torch
 __all__ = ['warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
            'compile_config', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
-           'data_getter', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -213,6 +216,16 @@ def data_getter() -> Any:
     "The `.data` getter of tensors, the object a torch function mode gets as `func` when a callback reads `p.data`."
     base = getattr(torch._C, 'TensorBase', None) or getattr(torch._C, '_TensorBase')
     return base.__dict__['data']
+
+
+def dynamo_counters() -> Mapping:
+    """dynamo's and inductor's counters (`counters['stats']['unique_graphs']`, `counters['inductor'][...]`), imported
+    now; empty counts where this torch keeps none there."""
+    try: from torch._dynamo.utils import counters
+    except ImportError:
+        warn_fallback('dynamo_counters', "this torch has no torch._dynamo.utils.counters: compile counts read 0")
+        return collections.defaultdict(collections.Counter)
+    return counters
 
 
 def strong_wolfe() -> Callable:

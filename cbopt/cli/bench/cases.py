@@ -220,7 +220,8 @@ def catalogue_case(shapes: list, rounds: int, warmup: int, quick: bool, only: li
 def cold_compile(width: float, quick: bool) -> dict:
     """In this (fresh) process: Lion's fused steps on the GPT-2 set at `width`; the first runs eagerly (it creates the
     state), the second compiles. Returns their wall and CPU times and what dynamo and inductor counted."""
-    from torch._dynamo.utils import counters
+    from ..._torch import dynamo_counters
+    counters = dynamo_counters()
     ps = make_params(gpt2_at(width, quick))
     opt = cbopt.Lion(ps, lr=1e-4, wd=0.1, backend='fused')
     wall, cpu = [], []
