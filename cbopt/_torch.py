@@ -4,8 +4,9 @@ never an import error or a crash in the middle of a step. `import cbopt` imports
 `torch._dynamo` and `torch._inductor` (which would double the import time) load on cbopt's first compile, or when
 the user's own `torch.compile` loads them.
 
-Private APIs used (why; since which torch; the fallback). "2.13" means at least 2.13, the version tested, where
-torch's history was not checked.
+Private APIs used (why; since which torch; the fallback). A version other than 2.13 is the release the API first
+appeared in as torch's release notes give it, not re-checked against torch's git history here; "2.13" means at
+least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
 
 - `torch._foreach_<op>` (`foreach_op`): one kernel per op for a whole bucket, the `foreach` backend's ops
   (`TensorList`), grad scaling, grad norms, flat-run copies. Since 1.7 (most ops; `_foreach_lerp_`,
