@@ -11,8 +11,8 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .core.chain import (around_params, cb_name, chain_defaults, chain_name, chain_reads, check_chain, flat_model_keys,
-                    param_chain, unwrap)
+from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_name, chain_reads, check_chain,
+                    flat_model_keys, param_chain, unwrap)
 from .engine import Backend, as_backend
 from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
@@ -151,6 +151,8 @@ class Optimizer(torch.optim.Optimizer):
             fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
         for k, v in fill.items():
             if k not in ALIASES: g.setdefault(k, v)
+        for k, src in chain_group_hypers(g['cbs']).items():  # (Composer's initial_lr: the group's lr as it joins)
+            if g.get(k) is None and src in g: g[k] = g[src].clone() if isinstance(g[src], torch.Tensor) else g[src]
         if flat_model_keys(g['cbs']):  # a callback with flat state in another group too is refused, before it joins
             engine.model_plan([*self.param_groups, g])  # (only such a callback can make the groups conflict)
         for mine, renamed in zip(self.param_groups, names): mine['param_names'] = renamed['param_names']

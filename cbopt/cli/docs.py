@@ -50,6 +50,9 @@ CATALOGUE = {
     'StableAdamW': ("torch-optimi's `StableAdamW`", 'tests/test_modern.py'),
     'ScheduleFreeSGD': ("schedulefree's `SGDScheduleFree`", 'tests/test_modern.py'),
     'ScheduleFreeAdamW': ("schedulefree's `AdamWScheduleFree`", 'tests/test_modern.py'),
+    'DecoupledSGDW': ("Composer's `DecoupledSGDW` (its update written out)", 'tests/test_composer.py'),
+    'DecoupledAdamW': ("Composer's `DecoupledAdamW` (its update written out); torch's `AdamW` at `weight_decay / initial_lr`",
+                       'tests/test_composer.py'),
 }
 
 
@@ -70,6 +73,7 @@ def _state_names(name: str) -> tuple[str, str]:
     p = torch.nn.Parameter(torch.zeros(4, 4))
     opt = (cbopt.Lookahead(cbopt.Adam([('w', p)])) if name == 'Lookahead' else
            getattr(cbopt, name)([('w', torch.nn.Parameter(torch.zeros(4, 4)))]) if name == 'Muon' else
+           getattr(cbopt, name)([('w', p)], lr=1e-3) if name == 'DecoupledSGDW' else  # (Composer's: no default lr)
            getattr(cbopt, name)([('w', p)]))
     opt.init_state()
     state = opt.named_state_dict()['state'].get('w', {})

@@ -29,7 +29,10 @@ entries it created. Alongside the function, as fastai attaches `defaults`, a cal
 - `cb.supports_complex = False`: its math is not elementwise on a complex param's (real, imaginary) pairs, which is
   how every backend steps complex params (`engine.buckets.as_real`): an optimizer listing it refuses complex params;
 - `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
-  with another value is refused; one of cbopt's state_dicts written for torch sets it).
+  with another value is refused; one of cbopt's state_dicts written for torch sets it);
+- `cb.group_hypers = dict(initial_lr='lr')`: hypers it reads that each group gets when it joins the optimizer (at
+  construction or `add_param_group`) where the group has none: a copy of another of its hypers then (Composer's
+  `initial_lr`, the group's lr at its start; a tensor is cloned, so a schedule writing the lr in place leaves it).
 
 A **whole-model callback** declares `cb.scope = 'model'`. It runs once per step over every param with a grad of the
 groups whose chain lists it: `cb(params, groups=..., **{**param_state, **model_state, **hypers}) -> dict | None`, where
@@ -69,7 +72,7 @@ import torch
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'is_cbopts', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
-           'model_param_state', 'model_key', 'around_params', 'chain_counters', 'cached']
+           'model_param_state', 'model_key', 'around_params', 'chain_counters', 'cached', 'chain_group_hypers']
 
 SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
@@ -97,6 +100,14 @@ def chain_defaults(cbs: Iterable[Callable]) -> dict:
     "The hypers of a chain with their defaults; a later callback's default wins, as in fastai."
     out = {}
     for cb in cbs: out.update(cb_defaults(cb))
+    return out
+
+
+def chain_group_hypers(cbs: Iterable[Callable]) -> dict:
+    """The hypers a chain's callbacks ask each group to start with, as copies of another hyper (`cb.group_hypers`:
+    `{'initial_lr': 'lr'}`), so that the optimizer fills them in once, when a group joins, and never per step."""
+    out = {}
+    for cb in cbs: out.update(getattr(unwrap(cb), 'group_hypers', {}))
     return out
 
 
