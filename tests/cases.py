@@ -6,6 +6,11 @@ exists there), and what the tests may expect of it. Adding a case here puts it t
 bit-exact resume, and torch.optim's and fastai's state_dicts continuing in cbopt). Hypers are chosen to make differences visible: nonzero wd, momentums away
 from their defaults, `trust_coeff=1` so that LARC's clip bites.
 
+Two more tables live here, configs of one library's optimizers against the package they follow, each run by its own
+test file with more configs per algorithm than the registry-wide tests could afford: `TORCH_CONFIGS`
+(test_torch_catalogue.py: torch.optim's classes) and `MODERN_CONFIGS` (test_modern.py: lion-pytorch,
+pytorch-optimizer, torch-optimi, schedulefree).
+
 Tolerances are relative to each tensor's own scale (`conftest.assert_rel_close`). An absolute floor is given only
 where a case needs one, with its reason next to it.
 """
@@ -13,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import optim
 
 import cbopt
+from cbopt.recipes.torch_optim import ASGD, Adadelta, Adafactor, Adagrad, Adamax, NAdam, Rprop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +343,110 @@ CASES: list[Case] = [
          **torch_both(lambda m, ps, lr, **kw: m.LBFGS(ps, lr=lr, history_size=5, **kw)), torch_parity=Tol(),
          needs_closure=True),
 ]
+
+# -- other tables: configs of one library's optimizers against the package they follow, which their own test files
+# run (more configs per algorithm than the registry-wide tests could afford) -----------------------------------------
+# torch.optim's other algorithms against torch's classes, config by config (test_torch_catalogue.py):
+# id: (cbopt builder, torch builder), the same algorithm and hypers; the non-default hypers are far from the defaults
+TORCH_CONFIGS = {
+    'adagrad':           (Adagrad, optim.Adagrad),
+    'adagrad-decay-l2':  (partial(Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8, wd=0.1),
+                          partial(optim.Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8,
+                                  weight_decay=0.1)),
+    'adadelta':          (Adadelta, optim.Adadelta),
+    'adadelta-rho-l2':   (partial(Adadelta, lr=0.5, sqr_mom=0.8, eps=1e-5, wd=0.1),
+                          partial(optim.Adadelta, lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1)),
+    'adamax':            (Adamax, optim.Adamax),
+    'adamax-betas-l2':   (partial(Adamax, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1),
+                          partial(optim.Adamax, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)),
+    'nadam':             (NAdam, optim.NAdam),
+    'nadam-l2':          (partial(NAdam, lr=0.01, mom=0.8, sqr_mom=0.95, momentum_decay=0.01, wd=0.1),
+                          partial(optim.NAdam, lr=0.01, betas=(0.8, 0.95), momentum_decay=0.01, weight_decay=0.1)),
+    'nadamw':            (partial(NAdam, lr=0.01, wd=0.1, decouple_wd=True),
+                          partial(optim.NAdam, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)),
+    'asgd':              (ASGD, optim.ASGD),
+    'asgd-avg-l2':       (partial(ASGD, lr=0.05, lambd=1e-2, alpha=0.5, t0=5, wd=0.1),  # t0=5: the average is used
+                          partial(optim.ASGD, lr=0.05, lambd=1e-2, alpha=0.5, t0=5, weight_decay=0.1)),
+    'rprop':             (Rprop, optim.Rprop),
+    'rprop-etas':        (partial(Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01)),  # both clamps bite
+                          partial(optim.Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01))),
+    'adam-amsgrad':      (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, decouple_wd=False,
+                                  amsgrad=True),
+                          partial(optim.Adam, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+    'adamw-amsgrad':     (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, amsgrad=True),
+                          partial(optim.AdamW, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+    'adafactor':         (Adafactor, optim.Adafactor),
+    'adafactor-all':     (partial(Adafactor, lr=0.05, beta2_decay=-0.5, eps=(1e-12, 1e-2), d=1.5, wd=0.1),
+                          partial(optim.Adafactor, lr=0.05, beta2_decay=-0.5, eps=(1e-12, 1e-2), d=1.5, weight_decay=0.1)),
+}
+
+
+def _lion(ps, **kw):
+    from lion_pytorch import Lion
+    return Lion(ps, **kw)
+
+
+def _pytorch_optimizer(name, ps, **kw):
+    import pytorch_optimizer
+    return getattr(pytorch_optimizer, name)(ps, **kw)
+
+
+def _optimi(name, ps, lr=1e-3, **kw):
+    import optimi
+    return getattr(optimi, name)(ps, lr=lr, **kw)
+
+
+def _schedulefree(name, ps, **kw):
+    import schedulefree
+    opt = getattr(schedulefree, name)(ps, **kw)
+    opt.train()  # both start in eval mode, and refuse to step there
+    return opt
+
+
+def _train_mode(make):
+    "A cbopt schedule-free optimizer, in train mode (as the reference is put)."
+    return lambda ps, **kw: make(ps, **kw).train()
+
+
+# the modern optimizers against the packages their users install, config by config (test_modern.py):
+# id: (cbopt builder, reference builder, rtol), the same algorithm and hypers; non-default hypers far from the defaults
+MODERN_CONFIGS = {
+    'lion':    (cbopt.Lion, _lion, 1e-6),
+    'lion-wd': (partial(cbopt.Lion, lr=3e-3, mom=0.8, sqr_mom=0.95, wd=0.5),
+                partial(_lion, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.5), 1e-6),
+    'adan':    (cbopt.Adan, partial(_pytorch_optimizer, 'Adan'), 1e-6),
+    'adan-wd': (partial(cbopt.Adan, lr=1e-2, mom=0.9, diff_mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.3),
+                partial(_pytorch_optimizer, 'Adan', lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-6, weight_decay=0.3,
+                        foreach=False), 1e-6),
+    'adan-decoupled': (partial(cbopt.Adan, lr=1e-2, wd=0.3, decouple_wd=True),
+                       partial(_pytorch_optimizer, 'Adan', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
+    # (Adan's maximize is not compared: pytorch-optimizer sets previous_grad from the grad before negating it, so its
+    # first difference is -2*grad instead of 0; cbopt's maximize negates first, as torch does)
+    'ademamix-maximize': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, maximize=True),
+                          partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, maximize=True), 1e-6),
+    'ademamix': (cbopt.AdEMAMix, partial(_pytorch_optimizer, 'AdEMAMix'), 1e-6),
+    'ademamix-warmup-l2': (partial(cbopt.AdEMAMix, lr=1e-2, mom=0.8, sqr_mom=0.95, slow_mom=0.99, slow_alpha=3.,
+                                   t_alpha_beta3=30, wd=0.1),  # 30 < 50 steps: the warmup ends within the run
+                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.,
+                                   t_alpha_beta3=30, weight_decay=0.1, foreach=False), 1e-6),
+    'ademamix-decoupled': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, decouple_wd=True),
+                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
+    'stableadamw': (cbopt.StableAdamW, partial(_optimi, 'StableAdamW'), 1e-6),
+    'stableadamw-hypers': (partial(cbopt.StableAdamW, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-3, wd=0.3),  # clips 28 of 200
+                           partial(_optimi, 'StableAdamW', lr=3e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3,
+                                   foreach=False), 1e-6),
+    'sf-sgd': (_train_mode(cbopt.ScheduleFreeSGD), partial(_schedulefree, 'SGDScheduleFree'), 0.),  # bit for bit
+    'sf-sgd-hypers': (_train_mode(partial(cbopt.ScheduleFreeSGD, lr=0.3, mom=0.8, wd=0.1, warmup_steps=10, r=1.,
+                                          weight_lr_power=1.)),
+                      partial(_schedulefree, 'SGDScheduleFree', lr=0.3, momentum=0.8, weight_decay=0.1, warmup_steps=10,
+                              r=1., weight_lr_power=1., foreach=False), 0.),
+    'sf-adamw': (_train_mode(cbopt.ScheduleFreeAdamW), partial(_schedulefree, 'AdamWScheduleFree'), 0.),
+    'sf-adamw-hypers': (_train_mode(partial(cbopt.ScheduleFreeAdamW, lr=1e-2, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1,
+                                            warmup_steps=10, r=0.5)),
+                        partial(_schedulefree, 'AdamWScheduleFree', lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
+                                weight_decay=0.1, warmup_steps=10, r=0.5, foreach=False), 0.),
+}
+
 
 BY_ID: dict[str, Case] = {c.id: c for c in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"

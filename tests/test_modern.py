@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cbopt
+from cases import MODERN_CONFIGS
 from conftest import assert_moved, assert_rel_close, assert_same_params, make_model, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -20,76 +21,10 @@ pytestmark = pytest.mark.usefixtures('one_thread')
 STEPS = 50
 
 
-def _lion(ps, **kw):
-    from lion_pytorch import Lion
-    return Lion(ps, **kw)
-
-
-def _pytorch_optimizer(name, ps, **kw):
-    import pytorch_optimizer
-    return getattr(pytorch_optimizer, name)(ps, **kw)
-
-
-def _optimi(name, ps, lr=1e-3, **kw):
-    import optimi
-    return getattr(optimi, name)(ps, lr=lr, **kw)
-
-
-def _schedulefree(name, ps, **kw):
-    import schedulefree
-    opt = getattr(schedulefree, name)(ps, **kw)
-    opt.train()  # both start in eval mode, and refuse to step there
-    return opt
-
-
-def _train_mode(make):
-    "A cbopt schedule-free optimizer, in train mode (as the reference is put)."
-    return lambda ps, **kw: make(ps, **kw).train()
-
-
-# id: (cbopt builder, reference builder, rtol), the same algorithm and hypers; non-default hypers far from the defaults
-CASES = {
-    'lion':    (cbopt.Lion, _lion, 1e-6),
-    'lion-wd': (partial(cbopt.Lion, lr=3e-3, mom=0.8, sqr_mom=0.95, wd=0.5),
-                partial(_lion, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.5), 1e-6),
-    'adan':    (cbopt.Adan, partial(_pytorch_optimizer, 'Adan'), 1e-6),
-    'adan-wd': (partial(cbopt.Adan, lr=1e-2, mom=0.9, diff_mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.3),
-                partial(_pytorch_optimizer, 'Adan', lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-6, weight_decay=0.3,
-                        foreach=False), 1e-6),
-    'adan-decoupled': (partial(cbopt.Adan, lr=1e-2, wd=0.3, decouple_wd=True),
-                       partial(_pytorch_optimizer, 'Adan', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
-    # (Adan's maximize is not compared: pytorch-optimizer sets previous_grad from the grad before negating it, so its
-    # first difference is -2*grad instead of 0; cbopt's maximize negates first, as torch does)
-    'ademamix-maximize': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, maximize=True),
-                          partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, maximize=True), 1e-6),
-    'ademamix': (cbopt.AdEMAMix, partial(_pytorch_optimizer, 'AdEMAMix'), 1e-6),
-    'ademamix-warmup-l2': (partial(cbopt.AdEMAMix, lr=1e-2, mom=0.8, sqr_mom=0.95, slow_mom=0.99, slow_alpha=3.,
-                                   t_alpha_beta3=30, wd=0.1),  # 30 < 50 steps: the warmup ends within the run
-                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.,
-                                   t_alpha_beta3=30, weight_decay=0.1, foreach=False), 1e-6),
-    'ademamix-decoupled': (partial(cbopt.AdEMAMix, lr=1e-2, wd=0.3, decouple_wd=True),
-                           partial(_pytorch_optimizer, 'AdEMAMix', lr=1e-2, weight_decay=0.3, weight_decouple=True), 1e-6),
-    'stableadamw': (cbopt.StableAdamW, partial(_optimi, 'StableAdamW'), 1e-6),
-    'stableadamw-hypers': (partial(cbopt.StableAdamW, lr=3e-2, mom=0.8, sqr_mom=0.95, eps=1e-3, wd=0.3),  # clips 28 of 200
-                           partial(_optimi, 'StableAdamW', lr=3e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3,
-                                   foreach=False), 1e-6),
-    'sf-sgd': (_train_mode(cbopt.ScheduleFreeSGD), partial(_schedulefree, 'SGDScheduleFree'), 0.),  # bit for bit
-    'sf-sgd-hypers': (_train_mode(partial(cbopt.ScheduleFreeSGD, lr=0.3, mom=0.8, wd=0.1, warmup_steps=10, r=1.,
-                                          weight_lr_power=1.)),
-                      partial(_schedulefree, 'SGDScheduleFree', lr=0.3, momentum=0.8, weight_decay=0.1, warmup_steps=10,
-                              r=1., weight_lr_power=1., foreach=False), 0.),
-    'sf-adamw': (_train_mode(cbopt.ScheduleFreeAdamW), partial(_schedulefree, 'AdamWScheduleFree'), 0.),
-    'sf-adamw-hypers': (_train_mode(partial(cbopt.ScheduleFreeAdamW, lr=1e-2, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1,
-                                            warmup_steps=10, r=0.5)),
-                        partial(_schedulefree, 'AdamWScheduleFree', lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
-                                weight_decay=0.1, warmup_steps=10, r=0.5, foreach=False), 0.),
-}
-
-
 def cbopt_run(name: str, backend, steps: int = STEPS, dtype=torch.float32):
     "The cbopt twin of case `name` trained `steps` steps on a fresh `make_model`, warnings as errors."
     model = make_model(dtype=dtype)
-    opt = CASES[name][0](model.named_parameters(), backend=backend)
+    opt = MODERN_CONFIGS[name][0](model.named_parameters(), backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a foreach fallback or a compile failure warns
         train(opt, model, steps)
@@ -99,18 +34,18 @@ def cbopt_run(name: str, backend, steps: int = STEPS, dtype=torch.float32):
 def reference_run(name: str, steps: int = STEPS, dtype=torch.float32, with_opt: bool = False):
     "The reference class of case `name`, trained `steps` steps on a fresh `make_model`."
     model = make_model(dtype=dtype)
-    opt = CASES[name][1](model.parameters())
+    opt = MODERN_CONFIGS[name][1](model.parameters())
     train(opt, model, steps)
     return (model, opt) if with_opt else model
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', MODERN_CONFIGS)
 def test_loop_and_foreach_follow_the_reference(name):
     "loop within rtol of the reference, each tensor to its own scale; foreach bit-exact with loop and bucket-wise."
     ref = reference_run(name)
     assert_moved(ref, make_model())
     loop, _ = cbopt_run(name, 'loop')
-    assert_rel_close(loop, ref, rtol=CASES[name][2], msg=f'{name} loop vs reference:')
+    assert_rel_close(loop, ref, rtol=MODERN_CONFIGS[name][2], msg=f'{name} loop vs reference:')
     each, _ = cbopt_run(name, 'foreach')
     assert_same_params(each, loop, msg=f'{name} foreach vs loop:')
 
@@ -135,10 +70,10 @@ def test_fastai_opt_func(name):
         learn.fit(2, lr=1e-3)
         return learn
 
-    ours, ref = fit(CASES[name][0]), fit(partial(OptimWrapper, opt=CASES[name][1]))
+    ours, ref = fit(MODERN_CONFIGS[name][0]), fit(partial(OptimWrapper, opt=MODERN_CONFIGS[name][1]))
     assert isinstance(ours.opt, cbopt.Optimizer) and len(ours.recorder.losses) == 8
     assert_moved(ours.model, make_model())
-    assert_rel_close(ours.model, ref.model, rtol=CASES[name][2])
+    assert_rel_close(ours.model, ref.model, rtol=MODERN_CONFIGS[name][2])
 
 
 @pytest.mark.parametrize('name', ['sf-sgd-hypers', 'sf-adamw-hypers'])
@@ -230,7 +165,7 @@ def test_schedule_free_loads_checkpoints_with_number_sums():
     ref, ref_opt = copy.deepcopy(model), None
     sd = opt.state_dict()
     for st in sd['state'].values(): st['weight_sum'], st['lr_max'] = st['weight_sum'].item(), st['lr_max'].item()
-    ref_opt = CASES['sf-adamw-hypers'][0](ref.named_parameters(), backend='loop')
+    ref_opt = MODERN_CONFIGS['sf-adamw-hypers'][0](ref.named_parameters(), backend='loop')
     ref_opt.load_state_dict(sd)
     assert torch.is_tensor(ref_opt.state[next(ref.parameters())]['weight_sum'])
     train(opt, model, 5, start=10), train(ref_opt, ref, 5, start=10)

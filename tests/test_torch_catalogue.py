@@ -20,6 +20,7 @@ import cbopt
 from cbopt.state.formats import torch_state_names
 from cbopt.recipes.torch_optim import ASGD, Adadelta, Adafactor, Adagrad, Adamax, Muon, NAdam, Rprop
 import torch.nn.functional as F
+from cases import TORCH_CONFIGS
 from conftest import assert_rel_close, assert_tensor_close, make_model, set_grads, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -28,38 +29,6 @@ STEPS, TOL = 40, 1e-5
 # conftest's comparison is per tensor; its older form took `per_tensor=True` to be (else: the model's scale)
 PER_TENSOR = {'per_tensor': True} if 'per_tensor' in inspect.signature(assert_rel_close).parameters else {}
 
-# id: (cbopt builder, torch builder), the same algorithm and hypers; the non-default hypers are far from the defaults
-CASES = {
-    'adagrad':           (Adagrad, optim.Adagrad),
-    'adagrad-decay-l2':  (partial(Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8, wd=0.1),
-                          partial(optim.Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8,
-                                  weight_decay=0.1)),
-    'adadelta':          (Adadelta, optim.Adadelta),
-    'adadelta-rho-l2':   (partial(Adadelta, lr=0.5, sqr_mom=0.8, eps=1e-5, wd=0.1),
-                          partial(optim.Adadelta, lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1)),
-    'adamax':            (Adamax, optim.Adamax),
-    'adamax-betas-l2':   (partial(Adamax, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1),
-                          partial(optim.Adamax, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)),
-    'nadam':             (NAdam, optim.NAdam),
-    'nadam-l2':          (partial(NAdam, lr=0.01, mom=0.8, sqr_mom=0.95, momentum_decay=0.01, wd=0.1),
-                          partial(optim.NAdam, lr=0.01, betas=(0.8, 0.95), momentum_decay=0.01, weight_decay=0.1)),
-    'nadamw':            (partial(NAdam, lr=0.01, wd=0.1, decouple_wd=True),
-                          partial(optim.NAdam, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)),
-    'asgd':              (ASGD, optim.ASGD),
-    'asgd-avg-l2':       (partial(ASGD, lr=0.05, lambd=1e-2, alpha=0.5, t0=5, wd=0.1),  # t0=5: the average is used
-                          partial(optim.ASGD, lr=0.05, lambd=1e-2, alpha=0.5, t0=5, weight_decay=0.1)),
-    'rprop':             (Rprop, optim.Rprop),
-    'rprop-etas':        (partial(Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01)),  # both clamps bite
-                          partial(optim.Rprop, lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 0.01))),
-    'adam-amsgrad':      (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, decouple_wd=False,
-                                  amsgrad=True),
-                          partial(optim.Adam, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
-    'adamw-amsgrad':     (partial(cbopt.Adam, lr=0.01, mom=0.8, sqr_mom=0.95, eps=1e-6, wd=0.1, amsgrad=True),
-                          partial(optim.AdamW, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
-    'adafactor':         (Adafactor, optim.Adafactor),
-    'adafactor-all':     (partial(Adafactor, lr=0.05, beta2_decay=-0.5, eps=(1e-12, 1e-2), d=1.5, wd=0.1),
-                          partial(optim.Adafactor, lr=0.05, beta2_decay=-0.5, eps=(1e-12, 1e-2), d=1.5, weight_decay=0.1)),
-}
 STRUCTURE = ('decouple_wd', 'amsgrad', 'maximize')  # arguments that choose the chain; the others are hypers
 FUSED = ['adagrad-decay-l2', 'adadelta-rho-l2', 'adamax-betas-l2', 'nadamw', 'asgd-avg-l2', 'rprop-etas',
          'adam-amsgrad', 'adafactor-all']  # one per algorithm
@@ -68,7 +37,7 @@ FUSED = ['adagrad-decay-l2', 'adadelta-rho-l2', 'adamax-betas-l2', 'nadamw', 'as
 def cbopt_run(name: str, backend, steps: int = STEPS, model=None, start: int = 0):
     "The cbopt twin of case `name` trained `steps` steps on `model` (a fresh `make_model` by default), warnings as errors."
     model = model if model is not None else make_model()
-    opt = CASES[name][0](model.named_parameters(), backend=backend)
+    opt = TORCH_CONFIGS[name][0](model.named_parameters(), backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a foreach fallback or a compile failure warns
         train(opt, model, steps, start)
@@ -78,7 +47,7 @@ def cbopt_run(name: str, backend, steps: int = STEPS, model=None, start: int = 0
 def torch_run(name: str, steps: int = STEPS):
     "The torch.optim reference of case `name`, trained `steps` steps on a fresh `make_model`."
     model = make_model()
-    opt = CASES[name][1](model.parameters())
+    opt = TORCH_CONFIGS[name][1](model.parameters())
     train(opt, model, steps)
     return model, opt
 
@@ -104,7 +73,7 @@ def assert_same(a, b) -> None:
         assert torch.equal(p, q), f"param {n} differs"
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_loop_and_foreach_follow_torch(name):
     "40 steps: loop within 1e-5 of torch (params and state), foreach bit-exact with loop and bucket-wise (no warning)."
     ref, ref_opt = torch_run(name)
@@ -128,8 +97,8 @@ def test_fused_follows_torch(name):
     Only the weight matrices are optimized, on both sides: one compiled graph per algorithm (seconds each on CPU)."""
     models = [make_model(), make_model()]
     weights = [[(n, p) for n, p in m.named_parameters() if p.ndim == 2] for m in models]
-    ours = CASES[name][0](weights[0], backend=cbopt.Backend('fused', compiler='aot_eager'))
-    ref = CASES[name][1]([p for _, p in weights[1]])
+    ours = TORCH_CONFIGS[name][0](weights[0], backend=cbopt.Backend('fused', compiler='aot_eager'))
+    ref = TORCH_CONFIGS[name][1]([p for _, p in weights[1]])
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a compile failure warns (and runs foreach)
         train(ours, models[0], 10)
@@ -150,7 +119,7 @@ def test_asgd_averaged_params_are_torchs_ax():
             assert (avgs[n] - ax).abs().max() <= TOL * ax.abs().max()
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_torch_state_dict_loads_and_continues(name):
     "A torch.optim state_dict after 20 steps (read back with weights_only) loads into the twin, which goes on as torch."
     ref, ref_opt = torch_run(name, steps=20)
@@ -159,7 +128,7 @@ def test_torch_state_dict_loads_and_continues(name):
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
     model = copy.deepcopy(ref)
-    opt = CASES[name][0](model.named_parameters(), backend='loop')
+    opt = TORCH_CONFIGS[name][0](model.named_parameters(), backend='loop')
     opt.load_state_dict(sd)
     train(ref_opt, ref, 20, start=20)
     train(opt, model, 20, start=20)
@@ -167,15 +136,15 @@ def test_torch_state_dict_loads_and_continues(name):
     assert_state_close(opt, ref_opt, model)
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_cbopt_state_dict_continues_in_torch(name):
     """The reverse: the twin's `state_dict(format=<torch class>)` after 20 steps (through weights_only) loads into
     torch's class, which goes on as the twin does."""
     model = make_model()
-    opt = CASES[name][0](model.named_parameters(), backend='loop')
+    opt = TORCH_CONFIGS[name][0](model.named_parameters(), backend='loop')
     train(opt, model, 20)
     ref = copy.deepcopy(model)
-    ref_opt = CASES[name][1](ref.parameters())
+    ref_opt = TORCH_CONFIGS[name][1](ref.parameters())
     buf = io.BytesIO()
     torch.save(opt.state_dict(format=type(ref_opt)), buf)
     buf.seek(0)
@@ -188,12 +157,12 @@ def test_cbopt_state_dict_continues_in_torch(name):
 
 def default_twin(name: str):
     "The cbopt optimizer of case `name` built with its defaults but for the arguments that choose its chain."
-    make = CASES[name][0]
+    make = TORCH_CONFIGS[name][0]
     if not isinstance(make, partial): return make
     return partial(make.func, **{k: v for k, v in make.keywords.items() if k in STRUCTURE})
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_torch_state_dict_sets_every_hyper(name):
     """Into a twin built with its defaults, a torch state_dict loads every hyper of torch's group (ASGD's `alpha`,
     Rprop's `etas` and `step_sizes` included): it then goes on as torch does."""
@@ -201,7 +170,7 @@ def test_torch_state_dict_sets_every_hyper(name):
     model = copy.deepcopy(ref)
     opt = default_twin(name)(model.named_parameters(), backend='loop')
     opt.load_state_dict(ref_opt.state_dict())
-    want = CASES[name][0](make_model().named_parameters()).param_groups[0]
+    want = TORCH_CONFIGS[name][0](make_model().named_parameters()).param_groups[0]
     assert {k: opt.param_groups[0][k] for k in want if k not in ('params', 'param_names', 'chain')} == \
         {k: v for k, v in want.items() if k not in ('params', 'param_names', 'chain')}
     train(ref_opt, ref, 20, start=20)
@@ -243,7 +212,7 @@ def train_keeping_grads(opt, model, steps: int, start: int = 0) -> None:
 def test_maximize_follows_torch(name):
     """`maximize=True` against torch's: 40 steps within 1e-5, loop and foreach (bit for bit the loop), the user's
     grads unchanged by every step; then torch's maximizing state_dict loads into the maximizing twin and goes on."""
-    ours, theirs = partial(CASES[name][0], maximize=True), partial(CASES[name][1], maximize=True)
+    ours, theirs = partial(TORCH_CONFIGS[name][0], maximize=True), partial(TORCH_CONFIGS[name][1], maximize=True)
     ref = make_model()
     ref_opt = theirs(ref.parameters())
     train(ref_opt, ref, STEPS)
@@ -273,7 +242,7 @@ FACTORIES = {  # every prebuilt optimizer (fastai's and torch's), with hypers th
     'Adam': partial(cbopt.Adam, lr=0.01), 'RAdam': partial(cbopt.RAdam, lr=0.01, wd=0.1),
     'QHAdam': partial(cbopt.QHAdam, lr=0.01), 'Larc': partial(cbopt.Larc, lr=0.01, wd=0.1),
     'Lamb': partial(cbopt.Lamb, lr=0.01, wd=0.1), 'ranger': partial(cbopt.ranger, lr=0.01),
-    **{name: make for name, (make, _) in CASES.items() if name in MAXIMIZE}}
+    **{name: make for name, (make, _) in TORCH_CONFIGS.items() if name in MAXIMIZE}}
 
 
 @pytest.mark.parametrize('backend', ['loop', 'foreach'])
@@ -350,7 +319,7 @@ def test_fresh_torch_adagrad_state_loads():
     assert_rel_close(model, ref, rtol=TOL, **PER_TENSOR)
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_state_dict_weights_only_resume_bit_exact(name):
     """Saved after 20 foreach steps, read back with weights_only, loaded into a fresh optimizer on a copy of the
     model: 20 more loop steps give, bit for bit, the params and state of 40 uninterrupted loop steps."""
@@ -362,7 +331,7 @@ def test_state_dict_weights_only_resume_bit_exact(name):
     sd = torch.load(buf, weights_only=True)
     assert [n for g in sd['param_groups'] for n in g['param_names']] == [n for n, _ in half.named_parameters()]
     model = copy.deepcopy(half)
-    opt = CASES[name][0](model.named_parameters(), backend='loop')
+    opt = TORCH_CONFIGS[name][0](model.named_parameters(), backend='loop')
     opt.load_state_dict(sd)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -375,12 +344,12 @@ def test_state_dict_weights_only_resume_bit_exact(name):
             assert torch.equal(v, w) if torch.is_tensor(v) else v == w, f"{name}: state {k!r} of {n} differs"
 
 
-@pytest.mark.parametrize('name', CASES)
+@pytest.mark.parametrize('name', TORCH_CONFIGS)
 def test_init_state_is_the_state_before_a_first_step(name):
     "`init_state` (the declared state) changes nothing: training after it is bit for bit training without it."
     ref, ref_opt = cbopt_run(name, 'loop', steps=5)
     model = make_model()
-    opt = CASES[name][0](model.named_parameters(), backend='loop')
+    opt = TORCH_CONFIGS[name][0](model.named_parameters(), backend='loop')
     opt.init_state()
     assert_same(model, make_model())
     train(opt, model, 5)
