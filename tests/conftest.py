@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cbopt
+
 
 # A compiled chain that cannot compile falls back to foreach with one warning, stepping the same values: in the files
 # that test the compiled path, that warning fails the test (`pytestmark = NO_COMPILE_FALLBACK`), or a broken compiled
@@ -118,6 +120,30 @@ def assert_moved(model: nn.Module, start: nn.Module, rtol: float = 1e-2) -> None
     "Every param of `model` moved by more than `rtol` of its size at `start` (parity on params that never move proves nothing)."
     for (n, p), p0 in zip(model.named_parameters(), start.parameters(), strict=True):
         assert (p - p0).abs().max() > rtol * p0.abs().max(), f"param {n} barely moved: the comparison proves little"
+
+
+# -- the engine's unit tests (tests/test_engine_*.py) ----------------------------------------------------------------
+# the compiled chain through dynamo's `eager` backend: its Python, without code generation (a second or two each)
+EAGER = cbopt.Backend('fused', compiler='eager', compile_chunk=4)
+
+
+def sharded(mesh, t: torch.Tensor) -> torch.Tensor:
+    "`t` as a DTensor sharded on dim 0 over `mesh` (`one_rank_mesh`: this process alone)."
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return distribute_tensor(t, mesh, [Shard(0)])
+
+
+def count_calls(monkeypatch, kernel: str = '_fused_adamw_') -> list:
+    "A list that gets one entry per call of torch's `kernel`: the call's keyword arguments (`grad_scale`, ...)."
+    calls, real = [], getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(k) or real(*a, **k))
+    return calls
+
+
+def params_and_grads(shapes: list, steps: int, seed: int = 0) -> tuple[list, list]:
+    "Seeded params of `shapes`, and `steps` lists of grads for them."
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes], [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

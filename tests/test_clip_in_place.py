@@ -5,7 +5,7 @@ many steps in every backend. Under torch's fused kernel the coefficient is the k
 the user's grads (no copy, no multiply pass: within an ulp of torch's multiply); elsewhere one in-place
 `_foreach_mul_`, torch's own op (bit for bit). Also: GradScaler's scale composes with it, and what a skipped step
 leaves in `p.grad`. The default (`in_place=False`, the grad contract) is pinned by tests/test_wrappers.py and
-tests/test_model_callbacks.py."""
+tests/test_callbacks_whole_model.py."""
 from __future__ import annotations
 
 import copy

@@ -5,12 +5,16 @@ merged into one `cbopt::scalars`. Checked on a hand-made graph (against the unch
 inductor on schedule-free SGD (whose per-param weights are 0-d tensors), against the loop backend."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import cbopt
 from cbopt.engine import compiled, scalars
-from conftest import assert_rel_close
+from cbopt.engine.scalars import ScalarArgsAsTensors
+from conftest import assert_rel_close, NO_COMPILE_FALLBACK
+
+pytestmark = NO_COMPILE_FALLBACK
 
 scalars.register_ops()  # (made on the first compile: `import cbopt` registers no op)
 SCALAR, SCALARS = torch.ops.cbopt.scalar.default, torch.ops.cbopt.scalars.default
@@ -149,3 +153,52 @@ def test_scalars_once_has_a_key_for_the_graph_cache() -> None:
     key = scalars.ScalarsOnce().uuid()
     assert isinstance(key, bytes) and key == scalars.ScalarsOnce().uuid()
     assert key == get_hash_for_files((scalars.__file__,))
+
+
+@pytest.mark.parametrize('scalars_once', [False, True])
+def test_scalar_args_as_tensors_computes_the_same(scalars_once, monkeypatch) -> None:
+    """Under the mode, `alpha=`, `value=`, a number `lerp` weight and clamp bounds become tensor ops: the values are
+    those of the plain ops, and the in-place ops still write into their tensor and return it; with `scalars_once`
+    (the compiled chain's), numbers and 0-d tensors that arithmetic on a tensor reads pass through `cbopt::scalar`."""
+    g = torch.Generator().manual_seed(0)
+    x, y, z = (torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3))
+    lo = torch.full((5,), -0.3, dtype=torch.float64)
+    ops = {
+        'add': lambda: x.add(y, alpha=0.7), 'sub': lambda: torch.sub(x, y, alpha=-2.),
+        'addcmul': lambda: x.addcmul(y, z, value=0.25), 'addcdiv': lambda: torch.addcdiv(x, y, z.abs() + 1, value=-3.),
+        'lerp': lambda: x.lerp(y, 0.3), 'torch.lerp': lambda: torch.lerp(x, y, 0.6), 'lerp-tensor': lambda: x.lerp(y, z),
+        'clamp': lambda: x.clamp(-0.2, 0.5), 'clamp-min': lambda: torch.clamp(x, min=-0.1), 'clip-max': lambda: x.clip(max=0.1),
+        'clamp-tensor': lambda: x.clamp(min=lo), 'mul': lambda: x.mul(2.5),
+        'scalar-math': lambda: (x * (0.9 ** 3) / (1 - torch.tensor(0.3, dtype=torch.float64))).sub(y, alpha=1 / 7),
+        'rsub': lambda: 1. - x / torch.tensor(3., dtype=torch.float64),
+    }
+    barriers, real = [], scalars.scalar
+    monkeypatch.setattr(scalars, 'scalar', lambda v: barriers.append(v) or real(v))
+    for name, op in ops.items():
+        expected = op()
+        with ScalarArgsAsTensors(scalars_once): got = op()
+        torch.testing.assert_close(got, expected, rtol=1e-15, atol=0, msg=name)
+    for name, op in {'add_': lambda t: t.add_(y, alpha=0.7), 'addcdiv_': lambda t: t.addcdiv_(y, z.abs() + 1, value=2.),
+                     'lerp_': lambda t: t.lerp_(y, 0.3), 'clamp_': lambda t: t.clamp_(-0.2, 0.5),
+                     'clip_': lambda t: t.clip_(min=0.)}.items():
+        expected = op(x.clone())
+        t = x.clone()
+        with ScalarArgsAsTensors(scalars_once): got = op(t)
+        assert got is t, name
+        torch.testing.assert_close(t, expected, rtol=1e-15, atol=0, msg=name)
+    assert bool(barriers) == scalars_once and all(v.dim() == 0 for v in barriers)
+    barriers.clear()
+    w = torch.tensor(0.3, dtype=torch.float64)  # any op's 0-d tensor arg, not only arithmetic's (schedule-free's lerp)
+    with ScalarArgsAsTensors(scalars_once): got = x.lerp(y, w)
+    torch.testing.assert_close(got, x.lerp(y, w), rtol=1e-15, atol=0)
+    assert [v is w for v in barriers] == ([True] if scalars_once else [])
+    for op, number in ((lambda: x.add(y, alpha=0.7), 0.7), (lambda: torch.sub(x, y, alpha=-2.), -2.),
+                       (lambda: x.addcmul(y, z, value=0.25), 0.25), (lambda: torch.addcdiv(x, y, z + 5, value=-3.), -3.)):
+        barriers.clear()  # an `alpha=`/`value=` number: once, as a float64 0-d tensor (read at Python's precision)
+        with ScalarArgsAsTensors(scalars_once): op()
+        assert [(v.item(), v.dtype) for v in barriers] == ([(number, torch.float64)] if scalars_once else [])
+    u, v = (torch.randn(1000, generator=g) for _ in range(2))  # a number lerp weight: `u + (v - u) * w`, which a
+    for w in (0.3, 0.75):                                      # compile keeps symbolic (torch's lerp: other roundings)
+        with ScalarArgsAsTensors(scalars_once): got = (u.lerp(v, w), torch.lerp(u, v, w), u.clone().lerp_(v, w))
+        assert all(torch.equal(r, u + (v - u) * w) for r in got), w
+    assert not torch.equal(torch.lerp(u, v, 0.75), u + (v - u) * 0.75)  # (so the check above tells them apart)

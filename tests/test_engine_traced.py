@@ -14,7 +14,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import cbopt
-from conftest import assert_tensors_close
+from conftest import assert_tensors_close, NO_COMPILE_FALLBACK, sharded
+
+pytestmark = NO_COMPILE_FALLBACK
 
 BACKENDS = {'loop': 'loop', 'foreach': 'foreach', 'auto': 'auto',
             'fused': cbopt.Backend('fused', compiler='aot_eager')}  # aot_eager: tracing without inductor's codegen
@@ -197,3 +199,102 @@ def test_state_created_in_a_later_step_and_none_grads():
         results.append(list(model.parameters()))
         assert opt.state_dict()['state'][3]['step'] == 3 and opt.state_dict()['state'][0]['step'] == 6
     assert_tensors_close(results[0], results[1])
+
+
+def _two_groups(make, lrs=(0.01, 0.02), seed=4) -> tuple[list, object]:
+    "Two groups of two params each (the second group's last param never gets a grad), made from one seed."
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((3, 2), (4,), (5,), (2,))]
+    return ps, make([{'params': ps[:2], 'lr': lrs[0]}, {'params': ps[2:], 'lr': lrs[1]}])
+
+
+def _set_grads(ps: list, i: int) -> None:
+    for j, p in enumerate(ps[:3]): p.grad = torch.linspace(-1., 2., p.numel()).view(p.shape) * (i + 1) + j
+
+
+def _refusing(case: str, mesh=None):
+    if case == 'radam': return _two_groups(lambda gs: cbopt.RAdam(gs, backend='loop'))  # `if r > 5` on the count
+    if case == 'clip':  # a whole-model callback
+        return _two_groups(lambda gs: cbopt.Optimizer(gs, [cbopt.clip_grad_norm, cbopt.sgd_step], max_norm=1.))
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, backend='loop'))
+    if case == 'found_inf': opt.found_inf = torch.zeros(())
+    if case == 'grad_scale': opt.grad_scale = torch.ones(())
+    if case == 'eval': opt.param_groups[1]['train_mode'] = False
+    return ps, opt
+
+
+def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
+    """What dynamo traces (`can_trace`, then `traced_step`), run eagerly: per param, each group with its own lr, as
+    torch's Adam over 4 steps (a param without a grad left alone); the counts become 0-d float64 tensors, and an
+    eager step after it goes on from them."""
+    from cbopt.engine import traced
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, sqr_mom=0.999, eps=1e-8, wd=0.1, decouple_wd=False, backend='loop'))
+    qs, ref = _two_groups(lambda gs: torch.optim.Adam(gs, weight_decay=0.1))
+    untouched = ps[3].detach().clone()
+    for i in range(5):
+        _set_grads(ps, i)
+        _set_grads(qs, i)
+        if i < 4:
+            assert traced.can_trace(opt)
+            traced.traced_step(opt)
+            assert opt.step_stats == {'lr': [0.01, 0.02], 'skipped': False}
+        else: opt.step()
+        ref.step()
+        assert_tensors_close(ps, qs, msg=f'step {i}')
+        if i < 4:
+            steps = [opt.state[p]['step'] for p in ps[:3]]
+            assert all(s.dtype == torch.float64 and s.ndim == 0 and s.item() == i + 1 for s in steps), steps
+    assert torch.equal(ps[3], untouched) and not opt.state[ps[3]]
+    assert_tensors_close([opt.state[p]['sqr_avg'] for p in ps[:3]], [ref.state[q]['exp_avg_sq'] for q in qs[:3]])
+
+
+@pytest.mark.parametrize('case', ['radam', 'clip', 'found_inf', 'grad_scale', 'eval', 'dtensor', 'adam'])
+def test_can_trace_refuses_what_only_the_eager_step_does_and_changes_nothing(case, one_rank_mesh) -> None:
+    """`can_trace` (run as dynamo traces a step) refuses a chain reading a Python value of a tensor, a whole-model
+    callback, GradScaler's flags, a group in eval mode and DTensor params, and then changes nothing (no state, no
+    param moved); it accepts Adam and creates its state, the count a 0-d float64 tensor, without stepping."""
+    from cbopt.engine import traced
+    if case == 'dtensor':
+        ps = [torch.nn.Parameter(sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))]
+        opt = cbopt.Adam(ps, backend='loop')
+        ps[0].grad = sharded(one_rank_mesh, torch.ones(6))
+    else:
+        ps, opt = _refusing(case)
+        _set_grads(ps, 0)
+    before = [p.detach().clone() for p in ps]
+    assert traced.can_trace(opt) is (case == 'adam')
+    for p, b in zip(ps, before): assert torch.equal(p.detach(), b)
+    if case != 'adam': assert not any(opt.state[p] for p in ps)
+    else:
+        assert [sorted(opt.state[p]) for p in ps] == [['grad_avg', 'sqr_avg', 'step']] * 3 + [[]]
+        assert all(torch.equal(opt.state[p]['step'], torch.zeros((), dtype=torch.float64)) for p in ps[:3])
+
+
+def test_number_tensor_is_a_float64_count_on_the_params_device() -> None:
+    from cbopt.engine.traced import number_tensor
+    t = number_tensor(2 ** 53, torch.zeros(2, device='meta'))
+    assert (t.dtype, t.device, t.shape) == (torch.float64, torch.device('meta'), torch.Size([]))
+    assert number_tensor(2 ** 53, torch.zeros(2)).item() == 2 ** 53
+    x = torch.ones(())
+    assert number_tensor(x, torch.zeros(2)) is x
+
+
+def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> None:
+    """torch's compiled-optimizer recipe with dynamo's `eager` backend: the step traced into the caller's graph
+    (fullgraph: no break) as torch's Adam steps; with a closure the step runs eagerly (one graph break), the closure
+    called once a step and its loss returned."""
+    ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, sqr_mom=0.999, eps=1e-8, wd=0., backend='loop'))
+    qs, ref = _two_groups(lambda gs: torch.optim.Adam(gs))
+    whole = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    calls = []
+    def closure():
+        calls.append(1)
+        return torch.tensor(float(len(calls)))
+    with_closure = torch.compile(lambda: opt.step(closure), backend='eager')
+    for i in range(4):
+        _set_grads(ps, i)
+        _set_grads(qs, i)
+        if i % 2: assert with_closure().item() == len(calls) == (i + 1) // 2
+        else: whole()
+        ref.step()
+        assert_tensors_close(ps, qs, msg=f'step {i}')

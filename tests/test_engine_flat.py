@@ -9,10 +9,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import cbopt
-from cbopt.core.chain import zeros
-from cbopt.engine import compiled, flat
+from cbopt.core.chain import per_tensor, zeros
 from cbopt.core.runtime import runtime
-from conftest import NO_COMPILE_FALLBACK, assert_tensors_close
+from cbopt.engine import buckets as bucketing
+from cbopt.engine import flat
+from cbopt.engine.flat import PAD_NUMEL, can_flatten, flat_chunks, padding, shape_chunks
+from conftest import assert_tensors_close, EAGER, NO_COMPILE_FALLBACK, params_and_grads
 
 pytestmark = NO_COMPILE_FALLBACK
 
@@ -199,3 +201,154 @@ def test_a_decay_from_zero_is_one_graph_for_every_wd() -> None:
     fused, loop = finals.values()
     assert_tensors_close(fused, loop, rtol=1e-6)
     assert not any(torch.equal(p, q) for p, q in zip(loop, start))
+
+
+SMALL_AND_LARGE = [(130, 130), (5,), (3, 4), (7,), (2, 2, 2), (1,), (6,)]  # one param above PACK_NUMEL, six packed
+
+
+def _rebinding_sgd(p, lr, mom, grad_avg=None, n=None, **kwargs):
+    """SGD with momentum and lr / n at the n-th step, its average and its count (a 0-d tensor per param) new tensors at
+    every step (out of place), as a user's callback may make them."""
+    if grad_avg is None: grad_avg, n = torch.zeros_like(p.data), per_tensor(lambda q: q.new_zeros(()), p.data)
+    grad_avg, n = grad_avg * mom + p.grad.data, n + 1
+    p.data.add_(grad_avg / n, alpha=-lr)
+    return {'grad_avg': grad_avg, 'n': n}
+_rebinding_sgd.state = dict(grad_avg=zeros, n=lambda p: p.new_zeros(()))
+
+
+def _spreading_count(p, n=None, count_steps=0, **kwargs):
+    "A 0-d count per param that becomes param-shaped at its second step: a count per element from then on."
+    if n is None: n = per_tensor(lambda q: q.new_zeros(()), p.data)
+    return {'n': p.grad.data * 0 + n + 1 if count_steps else n + 1, 'count_steps': count_steps + 1}
+_spreading_count.state = dict(n=lambda p: p.new_zeros(()), count_steps=0)
+
+
+def test_shape_chunks() -> None:
+    """Same-shape params in chunks of at most `chunk`, preferring a size from chunk/2 to chunk that divides their
+    count: 1000 params with chunk 32 go in 40 chunks of 25; 7 (no divisor in 2..4) in 4 + 3; 2 in one chunk of 2."""
+    chunks = shape_chunks([(3,)] * 1000, 32)
+    assert [len(c) for c in chunks] == [25] * 40 and [i for c in chunks for i in c] == list(range(1000))
+    shapes = [(3,), (2, 2), (3,), (3,), (3,), (2, 2), (3,), (3,), (3,)]
+    assert shape_chunks(shapes, 4) == [[0, 2, 3, 4], [6, 7, 8], [1, 5]]
+    assert shape_chunks([(5,)] * 6, 4) == [[0, 1, 2], [3, 4, 5]]     # 3 divides 6: no remainder chunk
+    assert shape_chunks([(5,)] * 8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_flat_chunks() -> None:
+    "Flat params go in runs of `chunk` in their order, the last one shorter: GPT-2's 148 params in 18 x 8 + 4."
+    assert [len(c) for c in flat_chunks(148, 8)] == [8] * 18 + [4]
+    assert [i for c in flat_chunks(148, 8) for i in c] == list(range(148))
+    assert flat_chunks(3, 32) == [[0, 1, 2]] and flat_chunks(4, 2) == [[0, 1], [2, 3]]
+
+
+def test_padding_is_scratch_of_the_same_kinds() -> None:
+    """A short run's padding: fresh zeros of `PAD_NUMEL` elements for the param, its grad and its param-shaped state
+    (a bfloat16 state stays one), and a copy of any other state tensor, so that nothing the chain does to them reaches the
+    params it pads for."""
+    p = torch.arange(6, dtype=torch.float64)
+    p.grad = torch.ones(6, dtype=torch.float64)
+    state = {'avg': torch.full((6,), 3., dtype=torch.bfloat16), 'count': torch.tensor(5)}
+    params, states = padding(p, state, 2)
+    assert len(params) == len(states) == 2 and params[0] is not params[1] and states[0]['count'] is not states[1]['count']
+    for q, st in zip(params, states):
+        assert q.shape == q.grad.shape == st['avg'].shape == (PAD_NUMEL,) and not q.any() and not q.grad.any()
+        assert (q.dtype, q.grad.dtype, st['avg'].dtype) == (torch.float64, torch.float64, torch.bfloat16)
+        assert st['count'] is not state['count'] and st['count'].item() == 5
+        st['count'].add_(1)
+    assert state['count'].item() == 5
+
+
+def test_a_packed_chain_that_rebinds_its_state_gives_each_param_its_own() -> None:
+    """A chain that makes its state anew at each step (a param-shaped average; a 0-d count, one value for all, which
+    goes with the pack), on packed small params: each param gets its own part of the packed results, of its shape and
+    in memory of its own, as torch's SGD with momentum computes them (lr / n at step n)."""
+    start, grads = params_and_grads(SMALL_AND_LARGE, 4, seed=1)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Optimizer(ps, [_rebinding_sgd], lr=0.1, mom=0.9, backend=EAGER)
+    ref = torch.optim.SGD(qs, lr=0.1, momentum=0.9)
+    for i, gs in enumerate(grads):
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        ref.param_groups[0]['lr'] = 0.1 / (i + 1)
+        opt.step()
+        ref.step()
+        assert_tensors_close(ps, qs, msg=f'step {i}')
+    (kept,) = cbopt.core.runtime.runtime(opt).flat_aliases.values()
+    assert sorted(kept['pack'].members) == [1, 2, 3, 4, 5, 6]
+    assert_tensors_close([opt.state[p]['grad_avg'] for p in ps], [ref.state[q]['momentum_buffer'] for q in qs])
+    assert all(torch.equal(opt.state[p]['n'], torch.tensor(4.)) for p in ps)
+    for key in ('grad_avg', 'n'): assert len({opt.state[p][key].data_ptr() for p in ps}) == len(ps), key
+
+
+def test_a_shared_0d_entry_made_param_shaped_is_each_params_own_part() -> None:
+    """A 0-d state entry of packed small params (one value for all: it goes with the pack) that the chain rebinds to a
+    param-shaped tensor: each param gets its own part, of its own shape, as it would stepped alone."""
+    ps = [torch.nn.Parameter(torch.zeros(s)) for s in SMALL_AND_LARGE]
+    opt = cbopt.Optimizer(ps, [_spreading_count, cbopt.sgd_step], lr=0.1, backend=EAGER)
+    for _ in range(3):
+        for p in ps: p.grad = torch.ones_like(p)
+        opt.step()
+    for p in ps: assert torch.equal(opt.state[p]['n'], torch.full(p.shape, 3.)), p.shape
+
+
+def test_pack_fits_only_the_same_params_sizes_keys_and_dtypes() -> None:
+    "A kept `Pack` serves a step only if the small params are the same ones, of the same sizes, state keys and dtypes."
+    qs = [torch.zeros(3), torch.zeros(2)]
+    ts = [{'a': torch.zeros(3), 'n': torch.zeros(())}, {'a': torch.zeros(2), 'n': torch.zeros(())}]
+    pack = flat.Pack([0, 2], qs, ts, ('n',))
+    assert pack.fits([0, 2], qs, ts, ('n',))
+    assert not pack.fits([0, 1], qs, ts, ('n',))                                   # other params
+    assert not pack.fits([0, 2], [torch.zeros(2), torch.zeros(3)], ts, ('n',))      # other sizes
+    assert not pack.fits([0, 2], qs, ts, ())                                       # 'n' no longer shared
+    assert not pack.fits([0, 2], qs, [{'b': t['a'], 'n': t['n']} for t in ts], ('n',))  # other keys
+    assert not pack.fits([0, 2], qs, [ts[0], {'a': torch.zeros(2, dtype=torch.float64), 'n': ts[1]['n']}], ('n',))
+
+
+def test_a_bucket_that_cannot_be_flattened_steps_by_shape() -> None:
+    """Compiled steps of a bucket with a transposed (not contiguous) grad, which cannot step as flat aliases: by
+    shape, as torch's Adamax."""
+    shapes = [(4, 3), (4, 3), (5,)]
+    start, grads = params_and_grads(shapes, 3, seed=2)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    qs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = cbopt.Adamax(ps, lr=0.01, backend=EAGER), torch.optim.Adamax(qs, lr=0.01)
+    for gs in grads:
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        ps[0].grad = gs[0].t().contiguous().t()  # (3, 4) memory seen as (4, 3)
+        assert not can_flatten(bucketing.buckets(opt)[0])
+        opt.step()
+        ref.step()
+        assert_tensors_close(ps, qs)
+    assert_tensors_close([opt.state[p]['inf_norm'] for p in ps], [ref.state[q]['exp_inf'] for q in qs])
+
+
+@pytest.mark.parametrize('small', [0, 1, 2])
+def test_flat_runs_with_no_one_or_two_small_params(small) -> None:
+    """The compiled chain's flat inputs over buckets of large params with 0, 1 or 2 small ones: small params are packed
+    only when there are two or more (one alone gains nothing from a pack), and every case steps as the loop over 4
+    steps (Lion)."""
+    shapes = [(130, 130), (129, 131)] + [(3,), (2, 2)][:small]
+    start, grads = params_and_grads(shapes, 4, seed=3)
+    ps, qs = [torch.nn.Parameter(t.clone()) for t in start], [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref = (cbopt.Lion(xs, lr=0.1, wd=0.1, backend=b) for xs, b in ((ps, EAGER), (qs, 'loop')))
+    for i, gs in enumerate(grads):
+        for p, q, gr in zip(ps, qs, gs): p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step(), ref.step()
+        assert_tensors_close(ps, qs, msg=f'step {i}')
+    (kept,) = cbopt.core.runtime.runtime(opt).flat_aliases.values()
+    assert (sorted(kept['pack'].members) if 'pack' in kept else None) == ([2, 3] if small == 2 else None)
+
+
+def test_each_bucket_keeps_its_own_flat_aliases() -> None:
+    """Two buckets (two groups) keep their flat aliases apart, each under its own layout: one bucket's step does not
+    drop the other's, which would make them again at every step."""
+    start, grads = params_and_grads([(4, 3), (5,), (6,), (2, 3)], 3, seed=4)
+    ps = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = cbopt.Lion([{'params': ps[:2]}, {'params': ps[2:], 'lr': 0.01}], lr=0.1, backend=EAGER)
+    for gs in grads:
+        for p, gr in zip(ps, gs): p.grad = gr.clone()
+        opt.step()
+    kept = cbopt.core.runtime.runtime(opt).flat_aliases
+    assert len(kept) == 2
+    assert sorted(sorted(k for k in v if k != 'pack') for v in kept.values()) == sorted([sorted(map(id, ps[:2])),
+                                                                                        sorted(map(id, ps[2:]))])

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import cbopt
-from cbopt.engine import Backend
-from cbopt.engine import buckets as bucketing
 from cbopt.core.runtime import runtime
-from conftest import NO_COMPILE_FALLBACK, assert_rel_close, make_model, set_grads, train
+from cbopt.engine import buckets as bucketing
+from cbopt.engine import Backend
+from conftest import assert_rel_close, make_model, NO_COMPILE_FALLBACK, set_grads, sharded, train
 
 pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]
 
@@ -258,3 +258,89 @@ def test_the_old_state_is_freed_by_a_load_or_clear_state(backend, change) -> Non
     train(opt, model, 2, start=3)
     train(ref_opt, ref, 2, start=3)
     assert_rel_close(model, ref)
+
+
+def _bucket(*numels: int, dtype=torch.float32) -> bucketing.Bucket:
+    ps = [torch.zeros(n, dtype=dtype) for n in numels]
+    return bucketing.Bucket({}, ps, [{} for _ in ps])
+
+
+def _count_in_a_tensor(p, n=None, **kwargs):
+    "State that is a real 0-d tensor whatever the param's dtype, as torch's tensor step counts."
+    return {'n': p.new_ones((), dtype=torch.float64) if n is None else n + 1}  # (per param of a bucket)
+
+
+def test_cache_chunks_by_bytes() -> None:
+    """float32 params of 10, 10, 30, 5 and 20 elements (40, 40, 120, 20, 80 bytes) with 100-byte chunks: 40+40 fit,
+    the 120-byte param goes alone (it is larger than a chunk), then 20+80 exactly fills one."""
+    b = _bucket(10, 10, 30, 5, 20)
+    chunks = bucketing.cache_chunks(b, 100)
+    assert [[p.numel() for p in c.params] for c in chunks] == [[10, 10], [30], [5, 20]]
+    assert all(c.states == b.states[i:i + len(c.params)] for c, i in zip(chunks, (0, 2, 3)))
+    assert all(c.group is b.group for c in chunks)
+    big = _bucket(30, 10)                            # a first param larger than a chunk: alone, no empty chunk before it
+    assert [[p.numel() for p in c.params] for c in bucketing.cache_chunks(big, 100)] == [[30], [10]]
+    exact = _bucket(10, 15, 1)                       # 40 + 60 bytes fill the first chunk exactly
+    assert [[p.numel() for p in c.params] for c in bucketing.cache_chunks(exact, 100)] == [[10, 15], [1]]
+    whole = bucketing.cache_chunks(b, 1 << 20)
+    assert len(whole) == 1 and whole[0].params == b.params
+
+
+def test_python_state_that_cannot_be_hashed_gets_a_bucket_per_param() -> None:
+    ps = [torch.zeros(2, requires_grad=True) for _ in range(3)]
+    opt = cbopt.Optimizer(ps, [cbopt.sgd_step], lr=0.1)
+    for p in ps: p.grad = torch.ones(2)
+    assert [b.params for b in bucketing.buckets(opt)] == [ps]
+    opt.state[ps[0]]['tag'] = ['a']  # a list: no key can hold it
+    opt.state[ps[1]]['tag'] = ['a']
+    opt.state[ps[2]]['tag'] = 'a'
+    assert [b.params for b in bucketing.buckets(opt)] == [[ps[0]], [ps[1]], [ps[2]]]
+
+
+def test_whole_model_buckets_split_dtensor_grads_and_skip_params_without_grad(one_rank_mesh) -> None:
+    """A whole-model callback gets one TensorList per (device, dtypes, grad layout): a DTensor grad never shares one
+    with a plain grad (foreach kernels refuse the mix); a param without a grad is left out, and the params after it
+    are not."""
+    none0, w, v, none1, u = (torch.nn.Parameter(torch.ones(2)) for _ in range(5))
+    w.data = sharded(one_rank_mesh, torch.ones(2))
+    opt = cbopt.SGD([none0, w, v, none1, u], lr=0.1, backend='loop')
+    w.grad, v.grad, u.grad = sharded(one_rank_mesh, torch.ones(2)), torch.ones(2), torch.ones(2)
+    got = [(list(tl), [g for g in tl.grad], states) for tl, states in bucketing.model_buckets(opt, opt.param_groups)]
+    assert [[id(p) for p in ps] for ps, _, _ in got] == [[id(w)], [id(v), id(u)]]
+    assert [[id(g) for g in gs] for _, gs, _ in got] == [[id(w.grad)], [id(v.grad), id(u.grad)]]
+    assert [[id(s) for s in states] for _, _, states in got] == [[id(opt.state[w])], [id(opt.state[v]), id(opt.state[u])]]
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_complex_params_step_as_torchs_on_their_real_views(backend) -> None:
+    """torch.optim's Adam steps a complex param as the real param of its pairs (`|g|^2` would be the complex math);
+    cbopt's chains the same way, whatever the backend, and the state stays complex, as torch's."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, dtype=torch.complex128, generator=g)
+    grads = [torch.randn(3, dtype=torch.complex128, generator=g) for _ in range(4)]
+    p, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    kw = dict(lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    foreach = backend == 'foreach'
+    opt, torch_opt = cbopt.optim.Adam([p], **kw, foreach=foreach), torch.optim.Adam([ref], **kw)
+    real = torch.nn.Parameter(torch.view_as_real(start.clone()))   # the same steps on the real pairs
+    real_opt = cbopt.optim.Adam([real], **kw, foreach=foreach)
+    for gr in grads:
+        p.grad, ref.grad, real.grad = gr.clone(), gr.clone(), torch.view_as_real(gr.clone())
+        opt.step(); torch_opt.step(); real_opt.step()
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.view_as_real(p.detach()), real.detach(), rtol=0, atol=0)
+    assert opt.state[p]['grad_avg'].dtype == opt.state[p]['sqr_avg'].dtype == torch.complex128
+    torch.testing.assert_close(opt.state[p]['sqr_avg'], torch_opt.state[ref]['exp_avg_sq'], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach'])
+def test_real_state_of_a_complex_param_is_kept_as_it_is(backend) -> None:
+    "Only tensors of the param's complex dtype are viewed as real pairs; a real state tensor (a count) is left alone."
+    p, ref = torch.nn.Parameter(torch.tensor([1 + 2j, -1j])), torch.nn.Parameter(torch.tensor([1 + 2j, -1j]))
+    opt = cbopt.Optimizer([p], [_count_in_a_tensor, cbopt.sgd_step], lr=0.1, backend=backend)
+    torch_opt = torch.optim.SGD([ref], lr=0.1)
+    for i in range(3):
+        p.grad, ref.grad = torch.tensor([1j * i, 2. + i]), torch.tensor([1j * i, 2. + i])
+        opt.step(); torch_opt.step()
+    assert opt.state[p]['n'].dtype == torch.float64 and opt.state[p]['n'].item() == 3
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
