@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> (source files, relative to the repo; tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    'callbacks': (['cbopt/callbacks.py'], ['tests/test_callbacks.py']),
-    'tensorlist': (['cbopt/tensorlist.py'], ['tests/test_tensorlist.py']),
+    'callbacks': (['cbopt/callbacks/fastai.py'], ['tests/test_callbacks.py']),
+    'tensorlist': (['cbopt/core/tensorlist.py'], ['tests/test_tensorlist.py']),
     'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py',
                                      # what torch.optim's own classes save and load (`torch_class_state_dict`,
                                      # `_torch_group`, `_check_flags`, LBFGS's history: `torch_model_state`/`_entries`)
@@ -45,21 +45,31 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                      'tests/test_lbfgs.py::test_torch_loads_its_state_dict_mid_run',
                                      'tests/test_lbfgs.py::test_loads_torchs_state_dict_mid_run',
                                      'tests/test_lbfgs.py::test_loads_torchs_state_dict_before_any_history']),
-    'hypers': (['cbopt/hypers.py'], ['tests/test_hypers.py', 'tests/test_hypers_units.py', 'tests/test_torch_names.py',
-                                     'tests/test_bad_input.py']),
-    'params': (['cbopt/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
-    'engine': (['cbopt/engine/*.py'], ['tests/test_engine_units.py', 'tests/test_chain.py', 'tests/test_backends.py',
-                                       'tests/test_model_callbacks_units.py', 'tests/test_model_callbacks.py',
+    'hypers': (['cbopt/core/hypers.py'], ['tests/test_hypers.py', 'tests/test_torch_names.py', 'tests/test_bad_input.py']),
+    'params': (['cbopt/core/params.py'], ['tests/test_params.py', 'tests/test_bad_input.py']),
+    # the engine's unit tests are tests/test_engine_<module>.py, one file per module of cbopt/engine/
+    'engine': (['cbopt/engine/*.py'], ['tests/test_engine_backend.py', 'tests/test_engine_step.py',
+                                       'tests/test_engine_model_stage.py', 'tests/test_engine_buckets.py',
+                                       'tests/test_engine_foreach.py', 'tests/test_engine_auto.py',
+                                       'tests/test_engine_compiled.py', 'tests/test_engine_flat.py',
                                        # torch's own kernels (`kernels.py`): its grad_scale / in-place clip paths
-                                       'tests/test_torch_kernels.py', 'tests/test_grad_scaler.py',
+                                       'tests/test_engine_kernels.py', 'tests/test_engine_scaling.py',
                                        'tests/test_clip_in_place.py',
-                                       # the kept bucket plan; the compiled chain's flat runs and packed params
-                                       # (dynamo's eager backend); the inductor pass on a hand-made graph
-                                       'tests/test_bucket_plan.py', 'tests/test_flat_runs.py',
-                                       *[f'tests/test_compiled_scalars.py::{t}' for t in (
+                                       'tests/test_chain.py', 'tests/test_backends.py',
+                                       'tests/test_callbacks_whole_model.py',
+                                       # the inductor pass on a hand-made graph, and the scalar rewrite eagerly
+                                       *[f'tests/test_engine_scalars.py::{t}' for t in (
                                            'test_scalars_once_dedupes_drops_inputs_and_merges',
                                            'test_scalars_once_keeps_one_barrier_per_converted_value',
-                                           'test_scalars_once_has_a_key_for_the_graph_cache')],
+                                           'test_scalars_once_has_a_key_for_the_graph_cache',
+                                           'test_scalar_args_as_tensors_computes_the_same')],
+                                       # the traced step's parts (`traced.py`), eagerly and with dynamo's eager
+                                       # backend (the rest of that file compiles with aot_eager: minutes)
+                                       *[f'tests/test_engine_traced.py::{t}' for t in (
+                                           'test_the_traced_step_run_eagerly_steps_as_torch',
+                                           'test_can_trace_refuses_what_only_the_eager_step_does_and_changes_nothing',
+                                           'test_number_tensor_is_a_float64_count_on_the_params_device',
+                                           'test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly')],
                                        # `model_plan`'s refusal of flat whole-model state in several groups
                                        'tests/test_state_units.py::'
                                        'test_flat_whole_model_state_in_several_groups_is_rejected_before_anything_changes']),
@@ -78,9 +88,7 @@ PYTEST_ARGS: dict[str, list[str]] = {'state': ['-k', f'{ONE_BACKEND[1]} and not 
                                      # (the kernel files run torch's fused kernels, which compile nothing, and
                                      # the unit tests compile with dynamo's eager backend: their `fused` cases stay)
                                      'engine': ['-k', 'not inductor and not foreach_is_loop and not interchange and '
-                                                '(not fused or test_torch_kernels or test_grad_scaler or '
-                                                'test_clip_in_place or test_bucket_plan or test_engine_units or '
-                                                'test_flat_runs)']}
+                                                '(not fused or test_engine_ or test_clip_in_place)']}
 
 NOT_MUTATED = {'tensorlist': ['TensorList._each_op', 'TensorList._each_op_', '_unary'],
                'hypers': ['_is_in', 'torch_keywords'],  # called only at import (HYPER_RULES, the recipes' decorator)
