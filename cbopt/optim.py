@@ -7,7 +7,8 @@ maps torch's arguments onto a cbopt chain and fastai's hyper names (`betas` are 
 cbopt's backend: `foreach=True` is `'foreach'`, `foreach=False` is `'loop'`, `fused=True` is `'fused'`, neither is
 `'auto'`. `capturable` is accepted and changes nothing (the engine's step count is a Python number; on CPU torch's
 capturable path computes the same numbers); `differentiable=True` is refused (cbopt steps in place under `no_grad`).
-`opt.state` shows each param's state as the torch class keeps it (`cbopt.state.torch_view`).
+`opt.state` shows each param's state as the torch class keeps it (`cbopt.state.torch_view`), `opt.param_groups` hold
+the torch class's entries (`TorchParamGroup`), and a group dict's algorithm flags choose that group's own chain.
 """
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from .recipes.lbfgs import LBFGS as _lbfgs_recipe
 from .recipes import fastai as _fastai
 from .recipes import torch_optim as _torch
 from .callbacks.fastai import average_sqr_grad, step_stat
-from .core.hypers import HYPER_RULES, TORCH_NAMES, check_hyper, from_torch_names
+from .core.chain import chain_name
+from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
+                          from_torch_names, model_entries, same_value)
 from .optimizer import Optimizer
+from .state.formats import TORCH_CHAIN_FLAGS
+from .state.torch_format import torch_group_entries
 from .state.torch_view import TorchState
 from .recipes.fastai import _decay, maximizing
 from .callbacks.torch_optim import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
@@ -30,9 +35,8 @@ __all__ = ['SGD', 'Adam', 'AdamW', 'RMSprop', 'RAdam', 'NAdam', 'Adagrad', 'Adad
            'Adafactor', 'Muon', 'LBFGS']
 
 Params = Any
-# torch's switches that name the algorithm in a torch group dict: a group may repeat the constructor's value
-_FLAGS = ('amsgrad', 'maximize', 'foreach', 'fused', 'capturable', 'differentiable', 'nesterov', 'centered',
-          'decoupled_weight_decay')
+_IMPL_FLAGS = ('foreach', 'fused', 'capturable', 'differentiable')  # torch's implementation switches
+_RECIPE_FLAGS = {'decoupled_weight_decay': 'decouple_wd'}  # a recipe's keyword for a torch flag, where not the flag's name
 
 
 def _backend(cls: str, foreach: bool | None, fused: bool | None, differentiable: bool) -> str:
@@ -44,24 +48,43 @@ def _backend(cls: str, foreach: bool | None, fused: bool | None, differentiable:
     return 'fused' if fused else 'foreach' if foreach else 'loop' if foreach is False else 'auto'
 
 
-def _torch_groups(params: Params, names: Mapping, flags: Mapping) -> Params:
+def _torch_groups(cls: str, params: Params, names: Mapping) -> tuple[Params, list[dict]]:
     """`params` with torch's names in its group dicts made cbopt's (`names`: this class's own, as RMSprop's `alpha`),
-    and algorithm flags dropped where they repeat the constructor's (another value per group is refused)."""
-    if params is None or isinstance(params, (torch.Tensor, Mapping)): return params  # (the recipe names what is wrong)
+    and each group dict's torch switches (`TORCH_FLAGS`) taken out, returned beside (one dict per group dict)."""
+    if params is None or isinstance(params, (torch.Tensor, Mapping)): return params, []  # (the recipe names what is wrong)
     params = list(params)
-    if not params or not all(isinstance(g, Mapping) and 'params' in g for g in params): return params
-    out = []
+    if not params or not all(isinstance(g, Mapping) and 'params' in g for g in params): return params, []
+    out, switches = [], []
     for i, g in enumerate(params):
-        g = dict(g)
-        for f in _FLAGS:
-            if f in g:
-                if f in flags and bool(g[f]) != bool(flags[f]):
-                    raise ValueError(f"param group {i} sets {f}={g[f]!r}, the optimizer {f}={flags[f]!r}: cbopt.optim runs "
-                                     f"one algorithm per optimizer (build one per setting, or a cbopt.Optimizer with "
-                                     f"per-group chains)")
-                if f in flags: del g[f]
+        g = dict(g)  # (a live TorchParamGroup's copy holds its entries, not its chain: chosen again here)
+        own = {f: g.pop(f) for f in TORCH_FLAGS if f in g and f not in names}  # (Muon's nesterov is a hyper)
+        _backend(f"{cls} (param group {i})", own.get('foreach'), own.get('fused'), bool(own.get('differentiable')))
         out.append(from_torch_names(g, names, where=f' (group {i})') if names else g)
-    return out
+        switches.append(own)
+    return out, switches
+
+
+def _switches(args: Mapping) -> dict:
+    "The implementation switches among a constructor's arguments (`locals()`), as torch keeps them in every group."
+    return {k: args[k] for k in _IMPL_FLAGS if k in args}
+
+
+def _chain_key(cls: type, recipe: tuple, own: Mapping, g: Mapping) -> dict:
+    """What makes a group's algorithm another than the optimizer's: its algorithm flags (`TORCH_CHAIN_FLAGS`) where
+    they differ from the constructor's, and the hypers that choose callbacks (`cls.chain_hypers`: SGD's momentum and
+    dampening) where they are zero and the constructor's not, or the reverse. Empty: the optimizer's chain."""
+    _, kw, flags = recipe
+    key = {f: bool(v) for f, v in own.items() if f in TORCH_CHAIN_FLAGS and f in flags and bool(v) != bool(flags[f])}
+    for h in cls.chain_hypers:
+        if h in g and (g[h] != 0) != (kw.get(h, 0) != 0): key[h] = g[h]
+    return key
+
+
+def _chain_for(recipe: tuple, key: Mapping) -> list:
+    "The chain the recipe builds with `key` (see `_chain_key`) over its constructor's arguments, on a stand-in param."
+    make, kw, _ = recipe
+    over = {_RECIPE_FLAGS.get(k, k): v for k, v in key.items()}
+    return make([torch.zeros(2, 2, requires_grad=True)], **{**kw, **over}).param_groups[0]['cbs']
 
 
 class TorchOptimizer(Optimizer):
@@ -70,6 +93,7 @@ class TorchOptimizer(Optimizer):
     `state_dict()` is what its torch class saves (torch's state and hyper names), so torch.optim loads it;
     `state_dict(format='cbopt')` has cbopt's names. Both load back."""
     torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
+    chain_hypers: tuple = ()  # cbopt hypers whose being zero or not chooses the chain (SGD's `mom`, `dampening`)
     state_dict_format = 'torch'
 
     @property
@@ -86,7 +110,11 @@ class TorchOptimizer(Optimizer):
         "The torch.optim class of the same name (of the first cbopt.optim class in a subclass's bases)."
         return next(getattr(torch.optim, c.__name__) for c in type(self).__mro__ if c.__module__ == __name__)
 
-    def _build(self, make: Callable[..., Optimizer], params: Params, flags: Mapping, **kw) -> None:
+    def _build(self, make: Callable[..., Optimizer], params: Params, flags: Mapping, switches: Mapping | None = None,
+               **kw) -> None:
+        """Build with the recipe `make` from torch's arguments (`flags`: the algorithm flags, `switches`: the
+        implementation ones, `kw`: the recipe's keywords), adopting the optimizer it returns; then each group holds
+        torch's entries (`TorchParamGroup`)."""
         for k, v in from_torch_names(kw, {**TORCH_NAMES, **self.torch_group_names}).items():  # before the params, as torch
             if k in HYPER_RULES: check_hyper(k, v)
         betas = kw.get('betas')
@@ -95,8 +123,44 @@ class TorchOptimizer(Optimizer):
         if isinstance(params, torch.Tensor):  # torch's rule and wording (cbopt.Optimizer takes a bare tensor)
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
                             f"got {torch.typename(params)}")
-        built = make(_torch_groups(params, self.torch_group_names, flags), **kw)
+        groups, own = _torch_groups(type(self).__name__, params, self.torch_group_names)
+        recipe = (make, kw, {**flags, **(switches or {})})
+        for g, o in zip(groups if own else (), own):  # flags (or momentum) choosing another algorithm: its own chain
+            if key := _chain_key(type(self), recipe, o, g): g['cbs'] = _chain_for(recipe, key)
+        built = make(groups, **kw)
         self.__dict__.update(built.__dict__)
+        self._recipe = recipe
+        self.param_groups = [self._as_torch_group(i, g, own[i] if i < len(own) else {})
+                             for i, g in enumerate(self.param_groups)]
+
+    def _as_torch_group(self, i: int, g: ParamGroup, own: Mapping) -> ParamGroup:
+        """Group `i` (built by the recipe, by cbopt's names) as its torch class's groups hold it: `TorchParamGroup`,
+        with the entries `torch_class_state_dict` writes (its chain's flags) and the switches the optimizer or the group
+        dict gave (`own`: torch keeps a group's own `foreach`, `fused`..., and so does cbopt; the optimizer's backend
+        steps every group). LBFGS keeps cbopt's group (its history is whole-model state, in the group)."""
+        if not self._torch_groups_live: return g
+        cbs, hyper = g['cbs'], dict(Hypers(g))
+        entries = torch_group_entries(f"param group {i} (chain [{chain_name(cbs)}])", self.torch_class, cbs, hyper,
+                                      self.backend)
+        switches = {k: v for k, v in {**self._recipe[2], **own}.items() if k in _IMPL_FLAGS or k not in entries}
+        out = TorchParamGroup({'params': g['params'], **entries, **switches, 'param_names': g['param_names'],
+                               **model_entries(g)})  # (its algorithm flags are its chain's: `entries`)
+        out['cbs'] = cbs
+        for k, v in hyper.items():  # a hyper with no torch entry (a user's) is kept by cbopt's name, but at its
+            if k not in out or not same_value(out[k], v): out[k] = v  # callback's default (the group answers it then)
+        return out
+
+    _torch_groups_live = True  # (LBFGS: False)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's `add_param_group`: torch's names and switches in the group dict, its algorithm flags choosing the
+        group's own chain (as in the constructor); the group then holds torch's entries."""
+        if not isinstance(param_group, Mapping) or '_recipe' not in self.__dict__:
+            return super().add_param_group(param_group)
+        (g,), (own,) = _torch_groups(type(self).__name__, [param_group], self.torch_group_names)
+        if key := _chain_key(type(self), self._recipe, own, g): g['cbs'] = _chain_for(self._recipe, key)
+        super().add_param_group(g)
+        self.param_groups[-1] = self._as_torch_group(len(self.param_groups) - 1, self.param_groups[-1], own)
 
     def __repr__(self) -> str:
         "As torch's: the class and each group's hypers (cbopt's names; `momentum` is `mom`)."
@@ -109,10 +173,12 @@ class TorchOptimizer(Optimizer):
 
 class SGD(TorchOptimizer):
     "torch.optim.SGD: L2 `weight_decay` (as torch), momentum in state `grad_avg` (torch's `momentum_buffer`)."
+    torch_group_names = dict(momentum='mom')
+    chain_hypers = ('mom', 'dampening')  # (a group with momentum keeps a buffer, one without does not)
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float | torch.Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None) -> None:
-        self._build(_fastai.SGD, params, dict(nesterov=nesterov, maximize=maximize), lr=lr, mom=momentum,
+        self._build(_fastai.SGD, params, dict(nesterov=nesterov, maximize=maximize), _switches(locals()), lr=lr, mom=momentum,
                     dampening=dampening, wd=weight_decay, decouple_wd=False, nesterov=nesterov, maximize=maximize,
                     backend=_backend('SGD', foreach, fused, differentiable))
 
@@ -123,7 +189,7 @@ class Adam(TorchOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False) -> None:
-        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay), _switches(locals()),
                     lr=lr, betas=betas, eps=eps, wd=weight_decay, decouple_wd=decoupled_weight_decay, amsgrad=amsgrad,
                     maximize=maximize, backend=_backend('Adam', foreach, fused, differentiable))
 
@@ -134,7 +200,7 @@ class AdamW(TorchOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None) -> None:
-        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize), lr=lr, betas=betas, eps=eps,
+        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize), _switches(locals()), lr=lr, betas=betas, eps=eps,
                     wd=weight_decay, decouple_wd=True, amsgrad=amsgrad, maximize=maximize,
                     backend=_backend('AdamW', foreach, fused, differentiable))
 
@@ -150,14 +216,15 @@ def _rmsprop(params: Params, lr, sqr_mom, eps, wd, mom, centered: bool, maximize
 class RMSprop(TorchOptimizer):
     """torch.optim.RMSprop, torch's formula: momentum on `grad / rms` (not fastai's `RMSProp`, which divides the
     average grad), `centered`. State: `sqr_avg` (torch's `square_avg`), `grad_avg`, `mom_buf` (`momentum_buffer`)."""
-    torch_group_names = dict(alpha='sqr_mom')
+    torch_group_names = dict(alpha='sqr_mom', momentum='mom')
+    chain_hypers = ('mom',)
 
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, alpha: float = 0.99, eps: float = 1e-8,
                  weight_decay: float = 0, momentum: float = 0, centered: bool = False, capturable: bool = False,
                  foreach: bool | None = None, maximize: bool = False, differentiable: bool = False) -> None:
         if not 0.0 <= momentum: raise ValueError(f"Invalid momentum value: {momentum}")
         if not 0.0 <= alpha: raise ValueError(f"Invalid alpha value: {alpha}")
-        self._build(_rmsprop, params, dict(centered=centered, maximize=maximize), lr=lr, sqr_mom=alpha, eps=eps,
+        self._build(_rmsprop, params, dict(centered=centered, maximize=maximize), _switches(locals()), lr=lr, sqr_mom=alpha, eps=eps,
                     wd=weight_decay, mom=momentum, centered=centered, maximize=maximize,
                     backend=_backend('RMSprop', foreach, None, differentiable))
 
@@ -168,7 +235,7 @@ class RAdam(TorchOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0, decoupled_weight_decay: bool = False, *,
                  foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False) -> None:
-        self._build(_fastai.RAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+        self._build(_fastai.RAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay), _switches(locals()),
                     lr=lr, betas=betas, eps=eps, wd=weight_decay, decouple_wd=decoupled_weight_decay, maximize=maximize,
                     torch_eps=True, backend=_backend('RAdam', foreach, None, differentiable))
 
@@ -179,7 +246,7 @@ class NAdam(TorchOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0, momentum_decay: float = 4e-3,
                  decoupled_weight_decay: bool = False, *, foreach: bool | None = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False) -> None:
-        self._build(_torch.NAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay),
+        self._build(_torch.NAdam, params, dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay), _switches(locals()),
                     lr=lr, betas=betas, eps=eps, wd=weight_decay, momentum_decay=momentum_decay,
                     decouple_wd=decoupled_weight_decay, maximize=maximize,
                     backend=_backend('NAdam', foreach, None, differentiable))
@@ -190,7 +257,7 @@ class Adagrad(TorchOptimizer):
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
                  initial_accumulator_value: float = 0, eps: float = 1e-10, foreach: bool | None = None, *,
                  maximize: bool = False, differentiable: bool = False, fused: bool | None = None) -> None:
-        self._build(_torch.Adagrad, params, dict(maximize=maximize), lr=lr, lr_decay=lr_decay, wd=weight_decay,
+        self._build(_torch.Adagrad, params, dict(maximize=maximize), _switches(locals()), lr=lr, lr_decay=lr_decay, wd=weight_decay,
                     initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
                     backend=_backend('Adagrad', foreach, fused, differentiable))
 
@@ -203,7 +270,7 @@ class Adadelta(TorchOptimizer):
                  weight_decay: float = 0, foreach: bool | None = None, *, capturable: bool = False,
                  maximize: bool = False, differentiable: bool = False) -> None:
         if not 0.0 <= rho <= 1.0: raise ValueError(f"Invalid rho value: {rho}")
-        self._build(_torch.Adadelta, params, dict(maximize=maximize), lr=lr, sqr_mom=rho, eps=eps, wd=weight_decay,
+        self._build(_torch.Adadelta, params, dict(maximize=maximize), _switches(locals()), lr=lr, sqr_mom=rho, eps=eps, wd=weight_decay,
                     maximize=maximize, backend=_backend('Adadelta', foreach, None, differentiable))
 
 
@@ -212,7 +279,7 @@ class Adamax(TorchOptimizer):
     def __init__(self, params: Params, lr: float | torch.Tensor = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, foreach: bool | None = None, *, maximize: bool = False,
                  differentiable: bool = False, capturable: bool = False) -> None:
-        self._build(_torch.Adamax, params, dict(maximize=maximize), lr=lr, betas=betas, eps=eps, wd=weight_decay,
+        self._build(_torch.Adamax, params, dict(maximize=maximize), _switches(locals()), lr=lr, betas=betas, eps=eps, wd=weight_decay,
                     maximize=maximize, backend=_backend('Adamax', foreach, None, differentiable))
 
 
@@ -221,7 +288,7 @@ class ASGD(TorchOptimizer):
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, lambd: float = 1e-4, alpha: float = 0.75,
                  t0: float = 1e6, weight_decay: float = 0, foreach: bool | None = None, maximize: bool = False,
                  differentiable: bool = False, capturable: bool = False) -> None:
-        self._build(_torch.ASGD, params, dict(maximize=maximize), lr=lr, lambd=lambd, alpha=alpha, t0=t0,
+        self._build(_torch.ASGD, params, dict(maximize=maximize), _switches(locals()), lr=lr, lambd=lambd, alpha=alpha, t0=t0,
                     wd=weight_decay, maximize=maximize, backend=_backend('ASGD', foreach, None, differentiable))
 
 
@@ -232,7 +299,7 @@ class Rprop(TorchOptimizer):
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, etas: tuple[float, float] = (0.5, 1.2),
                  step_sizes: tuple[float, float] = (1e-6, 50), *, capturable: bool = False,
                  foreach: bool | None = None, maximize: bool = False, differentiable: bool = False) -> None:
-        self._build(_torch.Rprop, params, dict(maximize=maximize), lr=lr, etas=etas, step_sizes=step_sizes,
+        self._build(_torch.Rprop, params, dict(maximize=maximize), _switches(locals()), lr=lr, etas=etas, step_sizes=step_sizes,
                     maximize=maximize, backend=_backend('Rprop', foreach, None, differentiable))
 
 
@@ -243,7 +310,7 @@ class Adafactor(TorchOptimizer):
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-2, beta2_decay: float = -0.8,
                  eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0, *,
                  foreach: bool | None = None, maximize: bool = False) -> None:
-        self._build(_torch.Adafactor, params, dict(maximize=maximize), lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+        self._build(_torch.Adafactor, params, dict(maximize=maximize), _switches(locals()), lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                     wd=weight_decay, maximize=maximize, backend=_backend('Adafactor', foreach, None, False))
 
 
@@ -256,7 +323,7 @@ class Muon(TorchOptimizer):
     """torch.optim.Muon: every param is Muon's, and must be 2-D, as in torch (`cbopt.Muon` splits a whole model between
     Muon and AdamW). `momentum` is `mom`, `ns_coefficients` the hypers `ns_a`, `ns_b`, `ns_c`; state `grad_avg`
     (torch's `momentum_buffer`)."""
-    torch_group_names = dict(momentum='mom', ns_coefficients=('ns_a', 'ns_b', 'ns_c'))
+    torch_group_names = dict(momentum='mom', ns_coefficients=('ns_a', 'ns_b', 'ns_c'), nesterov='nesterov')  # (a hyper)
 
     def __init__(self, params: Params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
@@ -269,6 +336,7 @@ class Muon(TorchOptimizer):
 class LBFGS(TorchOptimizer):
     """torch.optim.LBFGS (`cbopt.LBFGS`: the whole-model callback `cbopt.lbfgs`): `step(closure)` only, one param group;
     its history is the group entries `'lbfgs.*'` (torch keeps it under its first param: its state_dict loads)."""
+    _torch_groups_live = False  # (its group keeps cbopt's entries: its history is whole-model state, held there)
     def __init__(self, params: Params, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eval: int | None = None,
                  tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9, history_size: int = 100,
                  line_search_fn: str | None = None) -> None:

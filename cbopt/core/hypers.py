@@ -17,9 +17,9 @@ import torch
 from fastcore.basics import even_mults
 from fastcore.foundation import L
 
-from .chain import cached, chain_name, chain_reads
+from .chain import cached, chain_defaults, chain_name, chain_reads, unwrap
 
-__all__ = ['ParamGroup', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
+__all__ = ['ParamGroup', 'TorchParamGroup', 'TORCH_FLAGS', 'torch_hyper_names', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
@@ -34,8 +34,19 @@ TORCH_HYPER_NAMES: dict[str, str | tuple[str, ...]] = {
     'dampening': 'dampening', 'initial_lr': 'initial_lr', 'lr_decay': 'lr_decay', 'rho': 'sqr_mom',
     'momentum_decay': 'momentum_decay', 'lambd': 'lambd', 't0': 't0',
     'initial_accumulator_value': 'initial_accumulator_value'}
+# torch's switches in a torch group: algorithm flags (which choose a cbopt chain: `cb.torch_flag`) and implementation
+# ones (which choose cbopt's backend); none is a hyper of cbopt's (Muon's `nesterov` is, declared by its callback)
+TORCH_FLAGS = ('amsgrad', 'maximize', 'foreach', 'fused', 'capturable', 'differentiable', 'nesterov', 'centered',
+               'decoupled_weight_decay')
 UNIVERSAL = ('weight_decay', 'betas')  # (`momentum` is a true alias of `mom` in every group: ALIASES)
 TORCH_NAMES = {k: TORCH_HYPER_NAMES[k] for k in UNIVERSAL}  # the torch names every optimizer takes as keywords
+
+
+def torch_hyper_names(cbs) -> dict:
+    "torch's group entries -> cbopt's hypers for the chain `cbs`: the common table, and what its callbacks declare."
+    names = dict(TORCH_HYPER_NAMES)
+    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_names', None) or {})
+    return names
 
 
 def from_torch_names(hypers: Mapping, names: Mapping[str, str | tuple[str, ...]] = TORCH_NAMES, where: str = '') -> dict:
@@ -143,27 +154,168 @@ class ParamGroup(dict):
         self.update(*args, **kw)
 
 
+_CHAIN_KEYS = ('cbs', 'chain')
+_ALGORITHM_FLAGS = ('amsgrad', 'maximize', 'nesterov', 'centered', 'decoupled_weight_decay', 'differentiable')
+
+
+class TorchParamGroup(ParamGroup):
+    """A param group of a `cbopt.optim` class: it holds the entries its torch class's groups hold (`betas`,
+    `weight_decay`, its flags), which torch code sees (DCP rebuilds a group to load from the live one's entries; LR
+    schedulers write `betas`), and answers to cbopt's hyper names, which the engine and fastai read and write: `mom`
+    is `betas[0]`, `wd` is `weight_decay` (`torch_hyper_names` of its chain: the table torch's state_dicts are read
+    with), resolved once per chain and set of entries (`_torch_plan`). Its chain (`g['cbs']`) is held beside the
+    entries, not as one: torch's groups have none. A hyper with no torch entry is held by cbopt's name (a user's), or
+    at its callback's default not held at all (RAdam's `beta`, SAdam's: 0), as torch's groups do not have it."""
+    def __init__(self, *args, **kw):
+        self.chain_cbs, self._planned = None, None
+        super().__init__(*args, **kw)
+
+    def _plan(self) -> tuple[dict, tuple]:
+        "`_torch_plan` of this group, kept until an entry is added or removed or the chain changes."
+        planned = self._planned
+        if planned is None or planned[0] is not self.chain_cbs:
+            planned = self._planned = (self.chain_cbs, _torch_plan(tuple(self.chain_cbs or ()), tuple(dict.keys(self))))
+        return planned[1]
+
+    def _where(self, k) -> tuple | None:
+        "(the held entry, its index or None) that cbopt's hyper `k` is, or None."
+        plan = self._plan()[0]
+        return plan.get(k) or plan.get(ALIASES.get(k))
+
+    def __getitem__(self, k):
+        if k in _CHAIN_KEYS and self.chain_cbs is not None: return self.chain_cbs
+        try: return dict.__getitem__(self, k)
+        except KeyError: pass
+        where = self._where(k)
+        if where is None: raise KeyError(k)
+        if where[0] is _DEFAULT: return where[1]
+        v = dict.__getitem__(self, where[0])
+        return v if where[1] is None else v[where[1]]
+
+    def __setitem__(self, k, v):
+        if k in _CHAIN_KEYS:
+            self.chain_cbs = v
+            return
+        if k == 'param_names' and 'params' in self and len(v) != len(self['params']): return  # (see ParamGroup)
+        v = _plain(v)
+        if v and k in ('mom', 'momentum') and self.chain_cbs is not None and 'mom' not in chain_reads(self.chain_cbs):
+            raise ValueError(f"{k}={v} set on a param group whose chain [{chain_name(self.chain_cbs)}] has no momentum: "
+                             f"it would be ignored. Build the optimizer with a nonzero momentum, or do not schedule it "
+                             f"(OneCycleLR(cycle_momentum=False))")
+        if (self.chain_cbs is not None and k in _ALGORITHM_FLAGS and dict.__contains__(self, k) and bool(v) != bool(self[k])
+                and k not in torch_hyper_names(self.chain_cbs)):  # (Muon's nesterov is a hyper)
+            raise ValueError(f"{k}={v!r} set on a param group that runs {k}={self[k]!r}: a group's algorithm flags choose its "
+                             f"chain when it is built; give {k}={v!r} in the group dict (or the constructor)")
+        where = None if dict.__contains__(self, k) else self._where(k)
+        if where is None or where[0] is _DEFAULT:
+            if not dict.__contains__(self, k): self._planned = None  # (a new entry: the plan changes)
+            return dict.__setitem__(self, k, v)
+        key, i = where
+        if i is None: return dict.__setitem__(self, key, v)
+        parts = list(dict.__getitem__(self, key))
+        parts[i] = v
+        dict.__setitem__(self, key, tuple(parts))
+
+    def __contains__(self, k) -> bool:
+        if k in _CHAIN_KEYS: return self.chain_cbs is not None
+        return dict.__contains__(self, k) or self._where(k) is not None
+
+    def get(self, k, default=None):
+        try: return self[k]
+        except KeyError: return default
+
+    def __delitem__(self, k):
+        if k in _CHAIN_KEYS: self.chain_cbs = None
+        else: dict.__delitem__(self, k)
+        self._planned = None
+
+    def pop(self, k, *default):
+        if dict.__contains__(self, k) or k in _CHAIN_KEYS or not default:
+            v = self[k]
+            del self[k]
+            return v
+        return default[0]
+
+    def hyper_keys(self) -> tuple:
+        "cbopt's names of the group's hypers (what `Hypers` lists): its torch entries' and the entries with no torch name."
+        return self._plan()[1]
+
+    def hyper_snapshot(self) -> dict:
+        "The hypers by cbopt's names (`Hypers.snapshot`, once per group and step): the names resolved once for all."
+        plan, keys = self._plan()
+        out, get = {}, dict.__getitem__
+        for k in keys:
+            where = plan.get(k)
+            if where is None: out[k] = get(self, k)
+            elif where[0] is _DEFAULT: out[k] = where[1]
+            else: out[k] = get(self, where[0]) if where[1] is None else get(self, where[0])[where[1]]
+        return out
+
+    def __reduce__(self): return (_torch_param_group, (dict(self), self.chain_cbs))
+
+    def __copy__(self): return _torch_param_group(dict(self), self.chain_cbs)
+
+    def __deepcopy__(self, memo):
+        from copy import deepcopy
+        return _torch_param_group({k: deepcopy(v, memo) for k, v in self.items()}, deepcopy(self.chain_cbs, memo))
+
+
+def _torch_param_group(entries: dict, cbs) -> TorchParamGroup:
+    "A `TorchParamGroup` holding `entries`, running `cbs` (for pickling and copies)."
+    g = TorchParamGroup(entries)
+    g.chain_cbs = cbs
+    return g
+
+
+@cached(maxsize=1024)
+def _torch_plan(cbs: tuple, keys: tuple) -> tuple[dict, tuple]:
+    """For a torch group holding the entries `keys` with the chain `cbs`: cbopt's hyper name -> (the entry, its index
+    in a tuple entry such as `betas`, or None), and cbopt's names of its hypers (for `Hypers`), in order."""
+    names, plan, hypers = torch_hyper_names(cbs), {}, []
+    for k in keys:
+        canon = names.get(k)
+        if canon is None:
+            if _is_hyper(k) and k not in TORCH_FLAGS: hypers.append(k)
+            continue
+        for i, c in enumerate(canon) if isinstance(canon, tuple) else [(None, canon)]:
+            plan.setdefault(c, (k, i))
+            hypers.append(c)
+    for k, v in chain_defaults(cbs).items():  # a hyper torch has no entry for, at its callback's default (RAdam's beta)
+        if k not in plan and k not in keys: plan[k] = (_DEFAULT, v)
+    return plan, tuple(dict.fromkeys([*hypers, *(k for k, w in plan.items() if w[0] is _DEFAULT)]))
+
+
+_DEFAULT = object()  # (in a `_torch_plan`: a hyper held nowhere, at its callback's default)
+
+
 class Hypers(MutableMapping):
     "fastai's view of a param group: every entry but the params, names and torch aliases. Reads and writes go through."
     def __init__(self, group: ParamGroup): self.group = group
     def __getitem__(self, k):
-        if not _is_hyper(k): raise KeyError(k)
+        if not _is_hyper(k) or isinstance(self.group, TorchParamGroup) and k not in self.group.hyper_keys(): raise KeyError(k)
         return self.group[k]
     def __setitem__(self, k, v):
         if k in NOT_HYPERS or is_model_entry(k): raise KeyError(f"{k!r} is not a hyper")
         self.group[k] = v
     def __delitem__(self, k): del self.group[k]
-    def __iter__(self) -> Iterator: return (k for k in self.group if _is_hyper(k))
-    def __len__(self) -> int: return sum(1 for _ in self)
+    def __iter__(self) -> Iterator: return iter(self._keys())
+    def __len__(self) -> int: return len(self._keys())
     def __repr__(self) -> str: return repr(dict(self))
+
+    def _keys(self) -> tuple:
+        "The group's hyper names (cbopt's: those of a torch group's entries, `TorchParamGroup.hyper_keys`)."
+        g = self.group
+        return g.hyper_keys() if isinstance(g, TorchParamGroup) else tuple(k for k in g if _is_hyper(k))
 
     def snapshot(self) -> dict:
         """The hypers as a plain dict, for one step: callbacks get them as keywords, merged per param and callback.
         A 1-element tensor hyper of any shape (a tensor lr of shape [1] or [1, 1]) is given as a 0-d view of itself,
         which torch's ops take wherever they take a number."""
         g = self.group
-        hypers = _hyper_keys(tuple(g))
-        out = {k: v for k, v in g.items() if k in hypers}
+        if isinstance(g, TorchParamGroup): out = g.hyper_snapshot()
+        else:
+            hypers = _hyper_keys(tuple(g))
+            out = {k: v for k, v in g.items() if k in hypers}
         for k, v in out.items():
             if isinstance(v, torch.Tensor) and v.ndim: out[k] = v.view(())
         return out

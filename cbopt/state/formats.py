@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
-from ..core.hypers import TORCH_HYPER_NAMES, from_torch_names
+from ..core.hypers import TORCH_HYPER_NAMES, from_torch_names, torch_hyper_names
 from ..core.flags import split_flags
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
@@ -35,13 +35,6 @@ TORCH_FIXED_FLAGS = {'AdamW': {'decoupled_weight_decay': True}}
 # though it has no `decoupled_weight_decay` flag (Adam's and AdamW's groups from before torch 2.6 have neither: unknown)
 TORCH_L2_KEYS = ('dampening', 'centered', 'lr_decay', 'rho', 'lambd')
 TORCH_STEPLESS = ('SGD', 'Muon')  # torch's classes that keep no step count (every other one's state must have one)
-
-
-def torch_hyper_names(cbs) -> dict:
-    "torch's group entries -> cbopt's hypers for the chain `cbs`: the common table, and what its callbacks declare."
-    names = dict(TORCH_HYPER_NAMES)
-    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_names', None) or {})
-    return names
 
 
 def torch_state_names(cbs) -> dict:

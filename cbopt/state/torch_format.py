@@ -10,7 +10,7 @@ import torch
 
 from ..core.chain import chain_counters, chain_defaults, chain_name, chain_reads, param_chain, unwrap
 from ..core.flags import split_flags
-from ..core.hypers import NOT_HYPERS, is_model_entry
+from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_model_entry
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, torch_hyper_names,
                       torch_model_entries, torch_state_names)
 from .save import torch_state_dict
@@ -18,7 +18,7 @@ from .torch_view import torch_scalar
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
-__all__ = ['torch_class_state_dict']
+__all__ = ['torch_class_state_dict', 'torch_group_entries']
 
 
 def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
@@ -35,8 +35,10 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
     for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
         cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
         where = f"param group {i} (chain [{chain_name(cbs)}])"
-        groups.append({**_torch_group(where, cls, cbs, hyper, opt.backend),
-                       'param_names': saved['param_names'], 'params': saved['params']})
+        entries = torch_group_entries(where, cls, cbs, hyper, opt.backend)
+        if isinstance(g, TorchParamGroup) and cls is getattr(opt, 'torch_class', None):  # cbopt.optim's: as the group
+            entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
+        groups.append({**entries, 'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
         counters = chain_counters(param_chain(cbs))
@@ -66,9 +68,10 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
 def _nonzero(v: Any) -> bool: return bool(float(v))
 
 
-def _torch_group(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
-    """One group's entries as torch's class `cls` saves them: its constructor's arguments (at their defaults where the
-    chain does not say) and the flags it fixes (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
+def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
+    """One group's entries as torch's class `cls` saves them (and a `cbopt.optim` class's groups hold them): its
+    constructor's arguments (at their defaults where the chain does not say) and the flags it fixes
+    (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
     names, flags, reads = torch_hyper_names(cbs), chain_flags(cbs), chain_reads(cbs)
     what, fixed = f"torch.optim.{cls.__name__}", TORCH_FIXED_FLAGS.get(cls.__name__, {})
     sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
