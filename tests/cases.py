@@ -337,6 +337,12 @@ CASES: list[Case] = [
                   for t in ('test_update_is_the_optimizer', 'test_vmap_every_case', 'test_differentiable_every_case',
                             'test_edge_cases', 'test_mixed_dtypes')},
                **NO_COMPLEX}),
+    # Composer's decoupled optimizers (decay by wd * lr / initial_lr); tests/test_composer.py follows Composer's update
+    Case('composer-sgdw', build=lambda ps, lr, backend='auto': cbopt.DecoupledSGDW(ps, lr, momentum=0.9, weight_decay=0.1,
+                                                                                   backend=backend)),
+    # the default backend runs torch's fused AdamW kernel at wd / initial_lr
+    Case('composer-adamw', build=lambda ps, lr, backend='auto': cbopt.DecoupledAdamW(
+        ps, lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, backend=backend), has_torch_kernel=True),
     # L-BFGS steps only with a closure: every registry-wide test reports it skipped with that reason;
     # tests/test_lbfgs.py runs it through the same checks (every backend, bit-exact resume, torch's state_dict)
     Case('lbfgs', build=lambda ps, lr, backend='auto': cbopt.LBFGS(ps, lr, history_size=5, backend=backend),

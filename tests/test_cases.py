@@ -21,6 +21,7 @@ NOT_CASES = {
     'sgd_chain': "a chain builder (returns callbacks): every SGD case runs it",
     'adagrad_chain': "a chain builder (returns callbacks): the Adagrad case runs it",
     'muon_chain': "a chain builder (returns callbacks): the Muon cases run it",
+    'decoupled_adamw_chain': "a chain builder (returns callbacks): the composer-adamw case runs it",
     'lookahead': "a chain builder (wraps callbacks): the Lookahead and ranger cases run it",
     'maximizing': "a chain builder (wraps callbacks): the maximize cases run it",
     'is_hidden_matrix': "Muon's param filter, not an optimizer: the Muon case runs it",
