@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 __all__ = ['warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
-           'compile_config', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
+           'compile_config', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'data_getter', 'dynamo_counters', 'strong_wolfe']
 
@@ -154,6 +154,15 @@ def compile_config(duck_shapes: bool) -> Iterator[None]:
     import torch._dynamo
     import torch.fx.experimental._config as shape_config
     with torch._dynamo.config.patch(**DYNAMO_CONFIG), shape_config.patch(**{SHAPE_CONFIG: duck_shapes}): yield
+
+
+@contextlib.contextmanager
+def emulated_casts() -> Iterator[None]:
+    """Inductor rounding each op to its dtype as eager does (`emulate_precision_casts`), for chains compiled on 16-bit
+    params: else it fuses `p += u; comp += u - (p - before)` in fp32 and a Kahan compensation compensates nothing.
+    Read where the graph is lowered (a torch.compile option does not reach it): patched around the compiled calls."""
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(emulate_precision_casts=True): yield
 
 
 def inductor_pass_api() -> SimpleNamespace | None:

@@ -517,3 +517,30 @@ def test_a_callback_replaced_in_place_runs_at_the_next_step(backend, chain, wher
     # a kernel or a compiled graph rounds otherwise than the loop; the old chain would be ~1e-3 off
     tol = EXACT if backend in ('loop', 'foreach') else dict(rtol=1e-5, atol=1e-7)
     assert_rel_close(ours, ref, **tol, msg=f"{backend} {chain} {where}:")
+
+
+TORCH_SWITCHES = {'loop': dict(foreach=False), 'foreach': dict(foreach=True), 'fused': dict(fused=True), 'auto': {}}
+
+
+@pytest.mark.parametrize('build', [lambda ps, kind: cbopt.SGD(ps, lr=0.1, mom=0.9, backend=kind),
+                                   lambda ps, kind: cbopt.Adam(ps, lr=1e-2, wd=0.1, backend=kind),
+                                   lambda ps, kind: cbopt.optim.AdamW(ps, lr=1e-2, **TORCH_SWITCHES[kind])],
+                         ids=['SGD', 'Adam', 'optim.AdamW'])
+def test_grad_dtype_steps_alike_in_every_backend(build):
+    """bf16 params whose `grad_dtype` is float32 (torch 2.13), given fp32 grads, one large and several small (packed by
+    the fused backend): every backend steps them as the loop does, bit for bit (fused runs such buckets with foreach:
+    torch.compile does not trace a tensor whose grad has another dtype), with no warning."""
+    def run(kind):
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (3000, 8, 8, 8)]
+        for p in ps: p.grad_dtype = torch.float32
+        opt = build(ps, kind)
+        for i in range(3):
+            for j, p in enumerate(ps): p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * i + j))
+            opt.step()
+        return ps
+    ref = run('loop')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for kind in ('foreach', 'auto', 'fused'):
+            for p, q in zip(run(kind), ref): assert torch.equal(p, q), kind

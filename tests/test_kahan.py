@@ -1,5 +1,7 @@
 """Kahan-compensated updates (`kahan_sum=True`, `cbopt.kahan`) for bf16 params: torch-optimi's numerics, op for op,
 and a bf16 run that stays far closer to the fp32 run than plain bf16 does (docs/guides/callbacks.md reports the ratios)."""
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -62,23 +64,35 @@ KAHAN = {'SGD': (lambda ps, **kw: cbopt.SGD(ps, mom=0.9, **kw), 1e-4),
 STEPS = 300
 
 
-def kahan_errors(name: str, backend: str = 'loop') -> tuple[float, float]:
-    "(plain bf16's error, bf16 with kahan_sum's error) against the fp32 run after STEPS steps."
+@functools.cache
+def references(name: str) -> tuple[list, list]:
+    "The fp32 run and the plain bf16 run of optimizer `name` (loop backend): what each backend's kahan run is held to."
     make, lr = KAHAN[name]
-    ref = run(lambda ps: make(ps, lr=lr, backend=backend), torch.float32, STEPS)
-    plain = run(lambda ps: make(ps, lr=lr, backend=backend), torch.bfloat16, STEPS)
+    return (run(lambda ps: make(ps, lr=lr, backend='loop'), torch.float32, STEPS),
+            run(lambda ps: make(ps, lr=lr, backend='loop'), torch.bfloat16, STEPS))
+
+
+def kahan_errors(name: str, backend: str = 'loop') -> tuple[float, float]:
+    "(plain bf16's error, bf16 with kahan_sum's error in `backend`) against the fp32 run after STEPS steps."
+    make, lr = KAHAN[name]
+    ref, plain = references(name)
     kahan = run(lambda ps: make(ps, lr=lr, kahan_sum=True, backend=backend), torch.bfloat16, STEPS)
     return rel_err(plain, ref), rel_err(kahan, ref)
 
 
+@pytest.mark.parametrize('backend', ['loop', 'foreach', 'auto', 'fused'])
 @pytest.mark.parametrize('name', KAHAN)
-def test_kahan_keeps_bf16_near_fp32(name):
+def test_kahan_keeps_bf16_near_fp32(name, backend):
     """300 steps in bf16, each below half a bf16 ulp of most params: plain bf16 barely moves (an error of 80-95% of the
     fp32 run's travel), kahan_sum stays at least 10x closer to the fp32 run (measured: 31x to 126x, in docs/guides/callbacks.md)
-    and within 5% of its travel."""
-    plain, kahan = kahan_errors(name)
-    assert kahan * 10 < plain, f"{name}: kahan {kahan:.3g} vs plain {plain:.3g}"
-    assert kahan < 0.05
+    and within 5% of its travel, in every backend. fused compiles 16-bit buckets with inductor's
+    emulate_precision_casts: without it inductor adds the update and its compensation in fp32, which undoes the
+    compensation (SGD: an error of 0.888, plain bf16's). fused is held to 10% of the travel: inductor still computes
+    the update itself (Adam's sqrt and division) in fp32 where eager rounds each op (measured: SGD 1.8%, Adam 5.7%,
+    Adan 6.4%; 0.6-2.9% in the loop, see docs/guides/callbacks.md)."""
+    plain, kahan = kahan_errors(name, backend)
+    assert kahan * 10 < plain, f"{name} {backend}: kahan {kahan:.3g} vs plain {plain:.3g}"
+    assert kahan < (0.1 if backend == 'fused' else 0.05)
 
 
 def test_kahan_foreach_is_loop():

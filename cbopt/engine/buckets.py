@@ -22,8 +22,16 @@ from ..core.dtensor import is_dtensor, layout_key
 from ..core.tensorlist import TensorList
 from ..core.runtime import param_states, runtime
 
-__all__ = ['Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
+__all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
            'cache_chunks', 'model_buckets', 'as_real']
+
+
+def give_grad(q: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """`q.grad = grad` for a stand-in `q` of a param (an alias, a copy, a pack): a param whose `grad_dtype` is another
+    dtype (torch 2.13: a bf16 param with fp32 grads) has grads that `q`, whose grad_dtype is its own dtype, would refuse;
+    `q` takes the grad's dtype for its grads then, as the param does."""
+    if grad is not None and grad.dtype != q.dtype and q.grad_dtype != grad.dtype: q.grad_dtype = grad.dtype
+    q.grad = grad
 
 
 class Bucket(NamedTuple):
@@ -253,7 +261,7 @@ def as_real(b: Bucket) -> Iterator[Bucket]:
     params, states = [], []
     for p, st in zip(b.params, b.states):
         q = _real(p)
-        if q is not p: q.grad = _real(p.grad)
+        if q is not p: give_grad(q, _real(p.grad))
         params.append(q)
         states.append({k: _real(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()})
     views = [dict(st) for st in states]

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 
 import torch
 
-from .._torch import compile_config, inductor_options
+from .._torch import compile_config, emulated_casts, inductor_options
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
@@ -118,6 +118,8 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
     with ExitStack() as settings:
         try:  # an unknown setting or option raises here, before any chunk is touched: the whole bucket is handed back
             settings.enter_context(compile_config(duck_shapes=not flat))  # flat: every size its own symbol
+            if options.compiler == 'inductor' and b.params[0].dtype in (torch.bfloat16, torch.float16):
+                settings.enter_context(emulated_casts())  # 16-bit: each op rounds as in eager (kahan_sum needs it)
             fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for all runs)
         except Exception as e: raise CompileFailed(e, b) from e
         for j, idx in enumerate(chunks):
@@ -149,7 +151,8 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
 
 def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     """One pass over `b` with the compiled chain, once a first eager (foreach) step of this layout has created the
-    state; foreach (warning once) if the chain does not compile."""
+    state; foreach (warning once) if the chain does not compile, and (silently) where the grads are of another dtype
+    than the params (torch's `grad_dtype`), which torch.compile does not trace."""
     rt, layout = runtime(opt), b.layout
     if is_dtensor(b.params[0]) and chain_scope(b.cbs) != 'element':
         return foreach_bucket(opt, b, hyper)  # (not compiled: see the module docstring)
@@ -162,6 +165,9 @@ def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     try: compiled_bucket(opt, b, hyper)
     except CompileFailed as e:
         rt.no_compile.add(layout)
-        warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e.err).__name__}: "
-                  f"{e.err}); running it with the foreach backend")
+        # grads of another dtype than their params (`grad_dtype`: a bf16 param with fp32 grads), which dynamo does not
+        # trace: such a bucket runs with foreach, the same numbers as the loop, as designed (no warning)
+        if not any(p.grad is not None and p.grad.dtype != p.dtype for p in b.params):
+            warn_once(opt, ('compile', layout), f"the callback chain could not be compiled ({type(e.err).__name__}: "
+                      f"{e.err}); running it with the foreach backend")
         foreach_bucket(opt, e.rest, hyper)

@@ -9,7 +9,7 @@ import torch
 
 from .._torch import flatten_dense, foreach_op
 from ..core.chain import chain_scope
-from .buckets import Bucket
+from .buckets import Bucket, give_grad
 
 __all__ = ['shape_chunks', 'flat_chunks', 'padding', 'can_flatten', 'flat_alias', 'Pack', 'FlatInputs', 'flat_inputs',
            'release_grads']
@@ -45,7 +45,7 @@ def padding(p: torch.Tensor, tstate: Mapping, n: int) -> tuple[list, list]:
     params, tstates = [], []
     for _ in range(n):
         q = scratch(p)
-        q.grad = scratch(p.grad)
+        give_grad(q, scratch(p.grad))
         params.append(q)
         tstates.append({k: scratch(v) for k, v in tstate.items()})
     return params, tstates
@@ -103,7 +103,7 @@ class Pack:
         self.qs, self.tstates = qs, tstates  # (where `scatter` writes back)
         torch.cat(qs, out=self.param)
         for k, buf in self.state.items(): torch.cat([ts[k] for ts in tstates], out=buf)
-        self.param.grad = flatten_dense(grads)
+        give_grad(self.param, flatten_dense(grads))
         self.values = {k: tstates[0][k].clone() for k in self.shared}
         return self.param, {**self.state, **self.values}
 
@@ -190,7 +190,7 @@ class FlatInputs:
             self.params[0], self.states[0] = pack.gather([self.qs[i] for i in pack.members],
                                                          [self.tstates[i] for i in pack.members],
                                                          [b.params[i].grad for i in pack.members])
-        for i in self.rest: self.qs[i].grad = flat_alias(b.params[i].grad)
+        for i in self.rest: give_grad(self.qs[i], flat_alias(b.params[i].grad))
         return self
 
     def padding(self, n: int) -> tuple[list, list]:

@@ -17,7 +17,7 @@ import torch
 from ..core.chain import cb_name, check_returns, is_cbopts, is_declared, run_chain, transient_keys
 from ..core.dtensor import refusing_partial_numbers
 from ..core.tensorlist import BucketError, TensorList
-from .buckets import Bucket, bucket_state, cache_chunks, stand_in, write_state
+from .buckets import Bucket, bucket_state, cache_chunks, give_grad, stand_in, write_state
 from ..core.runtime import runtime, warn_once
 
 __all__ = ['run_param', 'loop_bucket', 'dry_copy', 'probe', 'foreach_bucket', 'check_once']
@@ -42,7 +42,9 @@ def dry_copy(p: torch.Tensor, state: Mapping, as_bucket: bool = False) -> tuple:
     a param of its own, or a bucket of one (TensorLists). Python values are shared, as the bucket shares them."""
     wrap = (lambda t: TensorList([t])) if as_bucket else (lambda t: t)
     q = wrap(p.detach().clone())
-    q.grad = wrap(p.grad.detach().clone())
+    grad = wrap(p.grad.detach().clone())
+    if as_bucket: q.grad = grad  # (a TensorList holds any grads)
+    else: give_grad(q, grad)
     return q, {k: wrap(v.clone()) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
