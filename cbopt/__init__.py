@@ -10,6 +10,7 @@ does not import it. The package, by role: `core` (the callback protocol, hypers,
 __version__ = "0.1.0"
 
 from .core.chain import cb_defaults, chain_name, init_chain_state
+from .core.grouping import param_groups_weight_decay
 from .core.hypers import Hypers, ParamGroup
 from .core.tensorlist import BucketError, TensorList
 from .callbacks import *
@@ -26,7 +27,7 @@ from . import optim
 from .integrations import fastai as _fastai_integration  # registers its hooks; imports fastai only if the user has
 from ._compat import install_aliases as _install_aliases
 
-__all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
+__all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'param_groups_weight_decay', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', *_callbacks_all, *_recipes_all, *_wrappers_all,
            'functional', 'FunctionalOptimizer', 'FunctionalError']
 

@@ -199,3 +199,39 @@ def test_backends_and_resume(opt_func, kw):
 
 def test_nesterov_needs_momentum():
     with pytest.raises(ValueError, match='Nesterov'): cbopt.DecoupledSGDW([torch.nn.Parameter(torch.ones(2))], lr=0.1, nesterov=True)
+
+
+# -- timm's grouping (timm is not installable here, offline: its rule written out from its published code) -------------
+def timm_rule(model, weight_decay, no_weight_decay_list):
+    "timm's param_groups_weight_decay, as FQNs: no decay for ndim <= 1, '.bias' names and listed names; frozen skipped."
+    skip, decay, no_decay = set(no_weight_decay_list), [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad: continue
+        if p.ndim <= 1 or name.endswith('.bias') or name in skip: no_decay.append(name)
+        else: decay.append(name)
+    return [(no_decay, 0.), (decay, weight_decay)]
+
+
+def test_param_groups_weight_decay_is_timms_rule_with_names():
+    """A model with a conv, a norm, a bias-free linear named `.bias`-like, a listed embedding and a frozen layer: the
+    groups are timm's, in its order, as (FQN, param) pairs; an optimizer built from them keys state by FQN and decays
+    only the decay group."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos_embed = torch.nn.Parameter(torch.zeros(1, 3, 4))
+            self.conv = torch.nn.Conv2d(1, 2, 3)
+            self.norm = torch.nn.LayerNorm(4)
+            self.head = torch.nn.Linear(4, 2, bias=False)
+            self.frozen = torch.nn.Linear(2, 2)
+            self.frozen.requires_grad_(False)
+    model = Net()
+    groups = cbopt.param_groups_weight_decay(model, weight_decay=0.05, no_weight_decay_list=['pos_embed'])
+    assert [([n for n, _ in g['params']], g['weight_decay']) for g in groups] == timm_rule(model, 0.05, ['pos_embed'])
+    assert [n for n, _ in groups[1]['params']] == ['conv.weight', 'head.weight']
+    named = dict(model.named_parameters())
+    assert all(p is named[n] for g in groups for n, p in g['params'])
+    assert cbopt.param_groups_weight_decay(model)[1]['weight_decay'] == 1e-5  # timm's default
+    opt = cbopt.DecoupledAdamW(groups, lr=0.1)
+    assert [g['wd'] for g in opt.param_groups] == [0., 0.05]
+    assert opt.param_names == [n for g in timm_rule(model, 0.05, ['pos_embed']) for n in g[0]]
