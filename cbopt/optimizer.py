@@ -12,7 +12,7 @@ from fastcore.foundation import L
 
 from . import engine
 from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_name, chain_reads, check_chain,
-                    flat_model_keys, param_chain, unwrap)
+                    flat_model_keys, param_chain)
 from .engine import Backend, as_backend
 from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)
@@ -21,6 +21,7 @@ from .core.flags import FLAGS, split_flags
 from .core.initial import initial_state
 from .core.names import canonical_names
 from .core.runtime import param_states
+from .core.spec import spec
 from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
 
 __all__ = ['Optimizer', 'rechain', 'on_create']
@@ -275,7 +276,7 @@ class Optimizer(torch.optim.Optimizer):
         hook = 'on_train' if mode else 'on_eval'
         for g in self.param_groups:
             if g.get('train_mode', mode) == mode: continue
-            fns = [f for cb in param_chain(g['cbs']) if (f := getattr(unwrap(cb), hook, None)) is not None]
+            fns = [f for cb in param_chain(g['cbs']) if (f := getattr(spec(cb), hook)) is not None]
             hyper = Hypers(g).snapshot()
             for p in g['params']:
                 state = split_flags(param_states(self).get(p, {}))[0]
@@ -378,7 +379,7 @@ class Optimizer(torch.optim.Optimizer):
 def _check_complex(g: Mapping, i: int) -> None:
     """Complex params step on their real views (`engine.buckets.as_real`), except in a chain with a callback declaring
     `cb.supports_complex = False` (Adafactor's factored moments, Muon's orthogonalisation: torch refuses them too)."""
-    bad = next((cb for cb in g['cbs'] if getattr(unwrap(cb), 'supports_complex', True) is False), None)
+    bad = next((cb for cb in g['cbs'] if not spec(cb).supports_complex), None)
     if bad is None: return
     for name, p in zip(g['param_names'], g['params']):
         if p.is_complex():

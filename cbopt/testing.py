@@ -4,6 +4,7 @@ Write a callback, then `cbopt.testing.check_callback([weight_decay, my_step], lr
 few small params of mixed shapes in two groups, with deterministic grads, and checks that
 - the `foreach` backend is bit-exact with the `loop` reference (or says which callback cannot run bucket-wise);
 - the `fused` backend (the chain compiled) stays within `rtol` of the loop, relative to each tensor's own scale;
+- each callback's declarations read (`cbopt.core.spec`): a misspelt or mistyped one is reported, naming it;
 - the declared state (`cb.state`) is what the chain creates;
 - the state_dict reads back with `torch.load(weights_only=True)` and loads into a fresh optimizer;
 - a resume from that checkpoint continues bit-exact with the uninterrupted run.
@@ -22,6 +23,7 @@ from .core.chain import init_chain_state, is_declared, transient_keys
 from .engine import Backend
 from .optimizer import Optimizer
 from .core.flags import split_flags
+from .core.spec import CallbackSpecError, spec
 
 __all__ = ['check_callback', 'CheckReport']
 
@@ -81,6 +83,12 @@ def check_callback(cbs: Callable | Iterable[Callable] | None = None, *, opt_func
     if (cbs is None) == (opt_func is None): raise TypeError("check_callback takes either callbacks or opt_func=")
     make = opt_func or (lambda ps, **kw: Optimizer(ps, cbs, **kw))
     report = CheckReport()
+    for cb in [] if cbs is None else [cbs] if callable(cbs) else list(cbs):  # (nothing runs with a declaration unread)
+        try: spec(cb)
+        except CallbackSpecError as e: report.failures.append(f"a declaration cannot be read: {e}")
+    if not report.ok:
+        if raise_on_failure: raise AssertionError(str(report))
+        return report
 
     def run(backend, groups=None, opt=None, start=0, n=steps):
         groups = groups if groups is not None else _params(dtype)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.chain import cached, cb_name, unwrap, zeros
+from ..core.spec import spec
 
 __all__ = ['kahan', 'kahan_chain']
 
@@ -35,7 +36,7 @@ class _Target:
 def kahan(step: Callable) -> Callable:
     "`step` (an `additive` callback) with Kahan-compensated summation into the param; its state gains `kahan_comp`."
     f = unwrap(step)
-    if not getattr(f, 'additive', False):
+    if not spec(step).additive:
         raise ValueError(f"kahan() needs a callback whose only effect on the param is `p.data += update` (declared "
                          f"`additive = True`); {cb_name(step)!r} does not declare it")
 
@@ -48,7 +49,7 @@ def kahan(step: Callable) -> Callable:
         kahan_comp.add_(before.sub_(p.data))  # what the param could not hold
         return {**(new or {}), 'kahan_comp': kahan_comp}
     kahan_step.__name__ = kahan_step.__qualname__ = f'kahan_{cb_name(step)}'
-    kahan_step.state = {**(getattr(f, 'state', None) or {}), 'kahan_comp': zeros}
+    kahan_step.state = {**(spec(step).state or {}), 'kahan_comp': zeros}
     kahan_step.additive = False  # it writes the param itself
     return kahan_step
 
@@ -56,6 +57,6 @@ def kahan(step: Callable) -> Callable:
 def kahan_chain(cbs: list, kahan_sum: bool = True) -> list:
     "The chain `cbs` with its additive step callbacks Kahan-compensated (`kahan_sum=False`: as it is)."
     if not kahan_sum: return list(cbs)
-    out = [kahan(cb) if getattr(unwrap(cb), 'additive', False) else cb for cb in cbs]
+    out = [kahan(cb) if spec(cb).additive else cb for cb in cbs]
     if out == list(cbs): raise ValueError("kahan_sum: no callback of the chain declares `additive = True`")
     return out

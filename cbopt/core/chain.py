@@ -1,63 +1,12 @@
-"""The callback protocol: what a step callback is, how a chain of them runs, and what a callback may declare.
+"""The callback protocol: how a chain of step callbacks runs, what it reads and creates, and its identity.
 
-A callback is a plain function `cb(p, **{**state, **hypers}) -> dict | None` (fastai's contract): it reads the param
-`p` (`p.data`, `p.grad`), its state and its group's hypers by keyword, updates tensors in place, and returns the state
-entries it created. Alongside the function, as fastai attaches `defaults`, a callback may declare:
+What one callback is and what it may declare (`cb.defaults`, `cb.state`, `cb.scope`, `cb.transient`, ...) is the
+contract in `cbopt.core.spec`, read there in one place (`spec(cb)`); this module answers the questions about a chain
+those declarations decide: its hypers and their defaults (`chain_defaults`), the state it creates before its first
+step (`init_chain_state`, `is_declared`), what lives one step only (`transient_keys`), its scope (`chain_scope`), its
+whole-model callbacks and where they run (`split_chain`), and whether it is a valid chain (`check_chain`).
 
-- `cb.defaults = dict(mom=0.9)`: the hypers it reads, with their defaults;
-- `cb.state = dict(grad_avg=zeros, step=0)`: the state it creates, each entry's value before the first step (a
-  number, or a function of the param giving a tensor). A callback that creates nothing declares `cb.state = {}`.
-  Declared state is created by `init_chain_state` with no dry run (what `Optimizer.init_state`, the functional
-  `init` and distributed checkpoints need). A chain with an undeclared callback falls back to a dry run on a copy;
-- `cb.transient = ('local_lr',)`: state entries that live for one step: removed after the chain, never saved;
-- `cb.scope = 'tensor'`: it reduces over a whole param (a norm, an orthogonalisation), so it is not safe to run on a
-  shard of one; the default for a declared callback is `'element'`;
-- `cb.additive = True`: its only effect on the param is `p.data += update`, computed without reading `p.data`, so
-  `cbopt.kahan` can compensate it (it runs it on a stand-in whose `data` is the compensation buffer);
-- `cb.on_train`, `cb.on_eval`: functions `(p, **{**state, **hypers})` that `opt.train()` / `opt.eval()` run on each
-  param with state, for a chain that trains at one point and is evaluated at another (schedule-free's `y` and `x`;
-  the group's mode is its `train_mode` hyper);
-- `cb.shared = ('grad_avg',)`: entries it creates that another callback of the chain also creates, on purpose.
-  Two callbacks creating one entry without both declaring it is an error naming both (`check_chain`).
-- `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
-  they are not the common ones (`cbopt.hypers.TORCH_HYPER_NAMES`), so that torch's state_dict loads them;
-- `cb.torch_state = dict(momentum_buffer='grad_avg')`: torch.optim's names for the state it creates or reads (torch
-  name -> cbopt name), in the algorithm it belongs to (`grad_avg` is Adam's `exp_avg` but SGD's `momentum_buffer`: the
-  step callbacks say which), so a torch state_dict loads into the chain and the chain's state_dict can be written in
-  torch's names (`opt.state_dict(format=torch.optim.SGD)`); `cb.torch_extra_state`, a function of the state and
-  hypers, gives the entries torch keeps that cbopt computes (ASGD's `eta` and `mu`);
-- `cb.supports_complex = False`: its math is not elementwise on a complex param's (real, imaginary) pairs, which is
-  how every backend steps complex params (`engine.buckets.as_real`): an optimizer listing it refuses complex params;
-- `cb.torch_flag = 'amsgrad'`: it is in the chain exactly when torch's group has that flag set (a torch state_dict
-  with another value is refused; one of cbopt's state_dicts written for torch sets it);
-- `cb.group_hypers = dict(initial_lr='lr')`: hypers it reads that each group gets when it joins the optimizer (at
-  construction or `add_param_group`) where the group has none: a copy of another of its hypers then (Composer's
-  `initial_lr`, the group's lr at its start; a tensor is cloned, so a schedule writing the lr in place leaves it).
-
-A **whole-model callback** declares `cb.scope = 'model'`. It runs once per step over every param with a grad of the
-groups whose chain lists it: `cb(params, groups=..., **{**param_state, **model_state, **hypers}) -> dict | None`, where
-`params` is a list of `TensorList`s (one per device and dtype, each with `.grad`), so it computes with foreach kernels
-and never loops over params. Listed at the start of a chain it runs before the per-param callbacks, at the end after
-them (`split_chain`). Its declarations:
-
-- `cb.state = dict(skipped_total=0)`: its own state (Python numbers), kept in the param group entries of the first
-  group listing it as `'<name>.<key>'` (`'skip_nonfinite.skipped_total'`), so state_dicts and DCP carry it;
-- `cb.param_state = dict(grad_sum=zeros)`: per-param tensors it keeps, in each param's state as `'<name>.<key>'`,
-  passed to it as lists of TensorLists aligned with `params`;
-- `cb.flat_state = ('d', 'old_dirs')`: entries of its state that are flat vectors over the params of the group keeping
-  them (each param's real view flattened, `flat_size` elements, one after the other in the group's order; or lists of
-  such vectors: L-BFGS's history), so a checkpoint whose params come in another order loads them in this order;
-  such a callback is listed by one group only (`engine.model_plan` refuses it in several: whose params would it span?);
-- `cb.transient`: entries it returns for this step only (the engine's `skip` and `hypers`, a norm to report);
-- returning `skip=True` (a pre-chain callback) ends the step: nothing else runs and no other state changes;
-  returning `hypers=[{...} per group]` overrides those groups' hypers for this step (warmup's lr);
-  returning `grad_scale=t` (a 0-d tensor) multiplies every grad the rest of the step sees by `t`, never writing the
-  user's grads: under torch's fused kernel each cache-sized run of grads is scaled into a buffer just before the
-  kernel reads it, other runners get scaled copies (clip_grad_norm's coefficient); with `grad_scale_in_place=True`
-  too (`clip_grad_norm(in_place=True)`), `t` is written into the grads instead, when the step runs (torch's kernel
-  divides them by `1 / t` in its own pass; other runners multiply them in place first).
-
-This module imports nothing from cbopt: every other module may import it.
+This module imports nothing from cbopt outside `core`: every other module may import it.
 """
 from __future__ import annotations
 
@@ -69,31 +18,19 @@ from typing import Any
 
 import torch
 
+from .spec import SCOPES, cb_name, spec, unwrap
+
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'is_cbopts', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
            'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
            'model_param_state', 'model_key', 'around_params', 'chain_counters', 'cached', 'chain_group_hypers']
 
-SCOPES = ('element', 'tensor', 'model')
 ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
-
-
-def unwrap(cb: Callable) -> Callable:
-    "The function under any `functools.partial`s: declarations live on it."
-    while isinstance(cb, functools.partial): cb = cb.func
-    return cb
-
-
-def cb_name(cb: Callable) -> str:
-    "A callback's name, for messages and checkpoints (`partial(average_grad, ...)` is `average_grad`)."
-    cb = unwrap(cb)
-    return getattr(cb, '__name__', type(cb).__name__)
 
 
 def cb_defaults(cb: Callable) -> dict:
     "The hypers a callback asks for, with its defaults (`partial`s included; fastai's `_defaults` too)."
-    f = unwrap(cb)
-    return {**getattr(f, '_defaults', {}), **getattr(f, 'defaults', {})}
+    return dict(spec(cb).defaults)
 
 
 def chain_defaults(cbs: Iterable[Callable]) -> dict:
@@ -107,7 +44,7 @@ def chain_group_hypers(cbs: Iterable[Callable]) -> dict:
     """The hypers a chain's callbacks ask each group to start with, as copies of another hyper (`cb.group_hypers`:
     `{'initial_lr': 'lr'}`), so that the optimizer fills them in once, when a group joins, and never per step."""
     out = {}
-    for cb in cbs: out.update(getattr(unwrap(cb), 'group_hypers', {}))
+    for cb in cbs: out.update(spec(cb).group_hypers)
     return out
 
 
@@ -191,16 +128,15 @@ def chain_name(cbs: Iterable[Callable]) -> str:
 def declared_state(cb: Callable) -> dict | None:
     """What `cb` declares it creates in each param's state (name -> initial value or initializer), or None for an
     undeclared callback. A whole-model callback's per-param state (`param_state`) is named `'<cb name>.<key>'`."""
-    f = unwrap(cb)
-    if is_model_cb(f): return model_param_state(f)
-    st = getattr(f, 'state', None)
-    return dict(st) if isinstance(st, Mapping) else None
+    s = spec(cb)
+    if s.scope == 'model': return model_param_state(cb)
+    return None if s.state is None else dict(s.state)
 
 
 # -- whole-model callbacks -------------------------------------------------------------------------------------------
 def is_model_cb(cb: Callable) -> bool:
     "Whether `cb` is a whole-model callback (`scope = 'model'`)."
-    return getattr(unwrap(cb), 'scope', None) == 'model'
+    return spec(cb).scope == 'model'
 
 
 def model_key(cb: Callable, key: str) -> str:
@@ -210,7 +146,7 @@ def model_key(cb: Callable, key: str) -> str:
 
 def flat_model_keys(cbs: Iterable[Callable]) -> frozenset:
     "The group entries of a chain's whole-model callbacks that are flat over the group's params (`cb.flat_state`)."
-    return frozenset(model_key(cb, k) for cb in cbs if is_model_cb(cb) for k in getattr(unwrap(cb), 'flat_state', ()))
+    return frozenset(model_key(cb, k) for cb in cbs if is_model_cb(cb) for k in spec(cb).flat_state)
 
 
 def flat_size(p: torch.Tensor) -> int:
@@ -220,7 +156,7 @@ def flat_size(p: torch.Tensor) -> int:
 
 def model_param_state(cb: Callable) -> dict:
     "The per-param state a whole-model callback declares, under its prefixed names."
-    return {model_key(cb, k): v for k, v in dict(getattr(unwrap(cb), 'param_state', None) or {}).items()}
+    return {model_key(cb, k): v for k, v in spec(cb).param_state.items()}
 
 
 def param_chain(cbs: Iterable[Callable]) -> list:
@@ -271,16 +207,12 @@ def is_cbopts(cb: Callable) -> bool:
 
 def transient_keys(cbs: Iterable[Callable]) -> frozenset:
     "The per-param state entries of a chain that live for one step only (whole-model callbacks' are their own)."
-    return frozenset(k for cb in cbs if not is_model_cb(cb) for k in getattr(unwrap(cb), 'transient', ()))
+    return frozenset(k for cb in cbs if (s := spec(cb)).scope != 'model' for k in s.transient)
 
 
 def scope(cb: Callable) -> str | None:
-    "`'element'`, `'tensor'` or `'model'` (see the module docstring); None when the callback declares nothing."
-    f = unwrap(cb)
-    s = getattr(f, 'scope', None)
-    if s is None: return 'element' if declared_state(f) is not None else None
-    if s not in SCOPES: raise ValueError(f"callback {cb_name(cb)!r} declares scope {s!r}: expected one of {SCOPES}")
-    return s
+    "`'element'`, `'tensor'` or `'model'` (see `cbopt.core.spec`); None when the callback declares nothing."
+    return spec(cb).scope
 
 
 def chain_scope(cbs: Iterable[Callable]) -> str | None:
@@ -344,8 +276,8 @@ def declared_for(cb: Callable, p) -> dict:
 def _creators(cbs: Iterable[Callable]) -> dict[str, list]:
     out: dict[str, list] = {}
     for cb in cbs:
-        st = declared_state(cb)
-        transient = () if is_model_cb(cb) else getattr(unwrap(cb), 'transient', ())
+        st, s = declared_state(cb), spec(cb)
+        transient = () if s.scope == 'model' else s.transient
         for k in [*(st or {}), *transient]: out.setdefault(k, []).append(cb)
     return out
 
@@ -353,18 +285,19 @@ def _creators(cbs: Iterable[Callable]) -> dict[str, list]:
 def check_returns(creators: Mapping[str, list]) -> None:
     "Raise if two callbacks create the same state entry and do not both declare it `shared`."
     for k, cbs in creators.items():
-        if len(cbs) > 1 and not all(k in getattr(unwrap(cb), 'shared', ()) for cb in cbs):
+        if len(cbs) > 1 and not all(k in spec(cb).shared for cb in cbs):
             names = ' and '.join(repr(cb_name(cb)) for cb in cbs)
             raise ValueError(f"callbacks {names} both create the state entry {k!r}, so they would update one buffer "
                              f"twice; rename one, or declare `shared = ({k!r},)` on each to share it on purpose")
 
 
 def check_chain(cbs: Iterable[Callable]) -> None:
-    "Check a chain's declarations: callables, valid scopes, no accidental shared state."
+    """Check a chain: callables, each one's declarations (`spec`: a `CallbackSpecError` names the callback and the
+    misspelt or mistyped attribute), whole-model callbacks at its ends and once each, no accidental shared state."""
     cbs = list(cbs)
     for cb in cbs:
         if not callable(cb): raise TypeError(f"callback {cb!r} is not callable")
-        scope(cb)
+        spec(cb)
     pre, _, post = split_chain(cbs)
     names = [cb_name(cb) for cb in pre + post]
     for n in names:

@@ -17,7 +17,8 @@ import torch
 from fastcore.basics import even_mults
 from fastcore.foundation import L
 
-from .chain import cached, chain_defaults, chain_name, chain_reads, unwrap
+from .chain import cached, chain_defaults, chain_name, chain_reads
+from .spec import spec
 
 __all__ = ['ParamGroup', 'TorchParamGroup', 'TORCH_FLAGS', 'torch_hyper_names', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
@@ -45,7 +46,7 @@ TORCH_NAMES = {k: TORCH_HYPER_NAMES[k] for k in UNIVERSAL}  # the torch names ev
 def torch_hyper_names(cbs) -> dict:
     "torch's group entries -> cbopt's hypers for the chain `cbs`: the common table, and what its callbacks declare."
     names = dict(TORCH_HYPER_NAMES)
-    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_names', None) or {})
+    for cb in cbs: names.update(spec(cb).torch_names)
     return names
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..core.chain import ENGINE_KEYS, _cb_sig, cb_name, model_key, model_param_state, split_chain, unwrap
+from ..core.chain import ENGINE_KEYS, _cb_sig, cb_name, model_key, model_param_state, split_chain
 from ..core.flags import split_flags
 from ..core.hypers import Hypers
 from ..core.initial import initial_state
+from ..core.spec import spec
 from .buckets import model_buckets
 from .dispatch import run_buckets
 from .scaling import pay_scales
@@ -30,16 +31,13 @@ def model_plan(groups: list) -> tuple[list, list]:
         for where, cbs in ((pre, before), (post, after)):
             for cb in cbs: where.setdefault(_cb_sig(cb), (cb, []))[1].append(g)
     for cb, listing in [*pre.values(), *post.values()]:
-        flat = getattr(unwrap(cb), 'flat_state', ())
+        flat = spec(cb).flat_state
         if flat and len(listing) > 1:
             where = [next(i for i, g in enumerate(groups) if g is l) for l in listing]
             raise ValueError(f"{cb_name(cb)} keeps state flat over its group's params ({', '.join(flat)}), but param "
                              f"groups {where} list it: give it one group (its own chain in a group dict), or make one "
                              "group of those params")
     return list(pre.values()), list(post.values())
-
-
-def _declared(cb, attr: str) -> dict: return dict(getattr(unwrap(cb), attr, None) or {})
 
 
 def _fill_param_state(st: dict, p, per_param: Mapping) -> None:
@@ -53,7 +51,7 @@ def init_model_state(opt, plan: tuple | None = None) -> None:
     its params with state its declared per-param state, where missing (a new optimizer, a wrapped one, a new group)."""
     pre, post = plan or model_plan(opt.param_groups)
     for cb, groups in [*pre, *post]:
-        for k, v in _declared(cb, 'state').items(): groups[0].setdefault(model_key(cb, k), v)
+        for k, v in (spec(cb).state or {}).items(): groups[0].setdefault(model_key(cb, k), v)
         per_param = model_param_state(cb)
         if not per_param: continue
         for g in groups:
@@ -76,7 +74,7 @@ def _model_param_state(opt, cb, groups: list) -> None:
 
 def uses_closure(cb) -> bool:
     "Whether a whole-model callback re-evaluates the model (`cb.uses_closure = True`, as `lbfgs`): it needs the closure."
-    return bool(getattr(unwrap(cb), 'uses_closure', False))
+    return spec(cb).uses_closure
 
 
 def _run_model_cb(opt, cb, groups: list, snapshots: dict, evaluation: Mapping | None = None) -> dict:
@@ -84,7 +82,7 @@ def _run_model_cb(opt, cb, groups: list, snapshots: dict, evaluation: Mapping | 
     A callback that `uses_closure` also gets `evaluation`: `closure` (re-evaluates) and `loss` (its first value)."""
     _model_param_state(opt, cb, groups)
     g0, name = groups[0], cb_name(cb)
-    declared, per_param = _declared(cb, 'state'), _declared(cb, 'param_state')
+    declared, per_param = dict(spec(cb).state or {}), spec(cb).param_state
     model_state = {k: g0[model_key(cb, k)] for k in declared}
     bks = model_buckets(opt, groups)
     params = [tl for tl, _ in bks]
@@ -96,7 +94,7 @@ def _run_model_cb(opt, cb, groups: list, snapshots: dict, evaluation: Mapping | 
         if tl.grad is not before:
             for p, g in zip(tl, tl.grad): p.grad = g
     out = dict(out) if isinstance(out, dict) else {}
-    allowed = set(declared) | set(getattr(unwrap(cb), 'transient', ())) | set(ENGINE_KEYS)
+    allowed = set(declared) | set(spec(cb).transient) | set(ENGINE_KEYS)
     for k in out:
         if k not in allowed:
             raise ValueError(f"whole-model callback {name!r} returned {k!r}, which it does not declare: list it in its "
@@ -118,8 +116,8 @@ def run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None:
     scales: dict = {}  # id(group) -> (the grad scale its params' grads still owe, whether to write it into them)
     for cb, groups in plan[0]:
         pay_scales(opt, scales)
-        out = _run_model_cb(opt, cb, groups, snapshots, evaluation)
-        new = {model_key(cb, k): v for k, v in out.items() if k not in ENGINE_KEYS and k in _declared(cb, 'state')}
+        out, declared = _run_model_cb(opt, cb, groups, snapshots, evaluation), spec(cb).state or {}
+        new = {model_key(cb, k): v for k, v in out.items() if k not in ENGINE_KEYS and k in declared}
         stats.update({k: v for k, v in out.items() if k not in ENGINE_KEYS})
         if out.get('skip'):
             groups[0].update(new)
@@ -143,8 +141,9 @@ def run_model_step(opt, plan: tuple, evaluation: Mapping | None = None) -> None:
             if out.get('skip') or out.get('hypers') is not None:
                 raise ValueError(f"whole-model callback {cb_name(cb)!r} runs after the per-param chain: it cannot skip "
                                  "the step or set its hypers (list it at the start of the chain)")
-            groups[0].update({model_key(cb, k): v for k, v in out.items() if k in _declared(cb, 'state')})
+            declared = spec(cb).state or {}
+            groups[0].update({model_key(cb, k): v for k, v in out.items() if k in declared})
             stats.update(out)
     for cb, groups in [*plan[0], *plan[1]]:
-        for k in _declared(cb, 'state'): stats[k] = groups[0][model_key(cb, k)]
+        for k in (spec(cb).state or {}): stats[k] = groups[0][model_key(cb, k)]
     opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], **stats}

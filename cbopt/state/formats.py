@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.chain import chain_name, chain_reads, is_model_cb, model_key, unwrap
+from ..core.chain import chain_name, chain_reads, is_model_cb, model_key
 from ..core.hypers import TORCH_HYPER_NAMES, from_torch_names, torch_hyper_names
 from ..core.flags import split_flags
+from ..core.spec import spec
 
 __all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_FIXED_FLAGS', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
@@ -40,13 +41,13 @@ TORCH_STEPLESS = ('SGD', 'Muon')  # torch's classes that keep no step count (eve
 def torch_state_names(cbs) -> dict:
     "torch's state names -> cbopt's for the chain `cbs`, as its callbacks declare them (`cb.torch_state`)."
     names = {}
-    for cb in cbs: names.update(getattr(unwrap(cb), 'torch_state', None) or {})
+    for cb in cbs: names.update(spec(cb).torch_state)
     return names
 
 
 def chain_flags(cbs) -> set:
     "The torch flags (`TORCH_CHAIN_FLAGS`) the chain `cbs` runs as True: those its callbacks declare (`cb.torch_flag`)."
-    return {f for cb in cbs if (f := getattr(unwrap(cb), 'torch_flag', None)) is not None}
+    return {f for cb in cbs if (f := spec(cb).torch_flag) is not None}
 
 
 def _decay_kind(decoupled: bool) -> str:
@@ -179,9 +180,9 @@ def torch_model_state(first: dict, cbs) -> dict:
     checkpoint's state, read into a copy); entries torch has not created yet at their declared initial values."""
     out = {}
     for cb in cbs:
-        names = getattr(unwrap(cb), 'torch_model_state', None)
+        names = spec(cb).torch_model_state
         if not is_model_cb(cb) or not names: continue
-        declared = unwrap(cb).state  # (its initial values: a callback with torch_model_state declares its state)
+        declared = spec(cb).state  # (its initial values: a callback with torch_model_state declares its state)
         for theirs, ours in names.items():
             v = first.pop(theirs, None)
             if ours is not None: out[model_key(cb, ours)] = declared.get(ours) if v is None else v
@@ -193,7 +194,7 @@ def torch_model_entries(entries: Mapping, cbs) -> dict:
     param, by torch's names (those not created yet, None, are left out, as torch has not created them either)."""
     out = {}
     for cb in cbs:
-        names = getattr(unwrap(cb), 'torch_model_state', None)
+        names = spec(cb).torch_model_state
         if not is_model_cb(cb) or not names: continue
         for theirs, ours in names.items():
             v = None if ours is None else entries.get(model_key(cb, ours))

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.chain import chain_counters, chain_defaults, chain_name, chain_reads, param_chain, unwrap
+from ..core.chain import chain_counters, chain_defaults, chain_name, chain_reads, param_chain
 from ..core.flags import split_flags
 from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_model_entry
+from ..core.spec import spec
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, torch_hyper_names,
                       torch_model_entries, torch_state_names)
 from .save import torch_state_dict
@@ -40,7 +41,7 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
             entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
         groups.append({**entries, 'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
-        extras = [f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None]
+        extras = [f for cb in cbs if (f := spec(cb).torch_extra_state) is not None]
         counters = chain_counters(param_chain(cbs))
         for p, pid, name in zip(g['params'], saved['params'], saved['param_names']):
             algo, flags = split_flags(base['state'].get(pid, {}))

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.chain import cached, chain_counters, param_chain, unwrap
+from ..core.chain import cached, chain_counters, param_chain
 from ..core.hypers import Hypers
 from ..core.runtime import param_states
+from ..core.spec import spec
 from .formats import torch_state_names
 
 __all__ = ['TorchState', 'TorchParamState', 'StateNames', 'state_names', 'torch_scalar']
@@ -38,7 +39,7 @@ class StateNames(NamedTuple):
 def state_names(cbs: tuple) -> StateNames:
     "The torch names of the chain `cbs`' state, as its callbacks declare them: resolved once per chain."
     from_torch = torch_state_names(cbs)
-    extras = tuple(f for cb in cbs if (f := getattr(unwrap(cb), 'torch_extra_state', None)) is not None)
+    extras = tuple(f for cb in cbs if (f := spec(cb).torch_extra_state) is not None)
     return StateNames(from_torch, {ours: theirs for theirs, ours in from_torch.items()}, chain_counters(param_chain(cbs)),
                       extras)
 

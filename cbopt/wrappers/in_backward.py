@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import engine
-from ..core.chain import cb_name, unwrap
+from ..core.chain import cb_name, is_model_cb
 from ..engine import Backend
 from ..engine.buckets import Bucket, as_real
 from ..engine.foreach import loop_bucket
@@ -40,7 +40,7 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 def model_scope_callbacks(opt: Optimizer) -> list[tuple[int, str]]:
     "(group index, callback name) of every callback of `opt` that needs every grad at once (`scope == 'model'`)."
     return [(i, cb_name(cb)) for i, g in enumerate(opt.param_groups) for cb in g['cbs']
-            if getattr(unwrap(cb), 'scope', None) == 'model']
+            if is_model_cb(cb)]
 
 
 def _refuse_model_scope(opt: Optimizer) -> None:
@@ -114,7 +114,7 @@ class InBackward(Optimizer):
         "The post-accumulate-grad hook: step `p` alone with its group's chain and hypers, then free its grad."
         if p.grad is None: return
         g, name = self._where(p)
-        if any(getattr(unwrap(cb), 'scope', None) == 'model' for cb in g['cbs']):  # appended to a chain since
+        if any(map(is_model_cb, g['cbs'])):  # appended to a chain since
             _refuse_model_scope(self)
         engine.check_grads(SimpleNamespace(param_groups=[{'param_names': [name], 'params': [p], 'cbs': g['cbs']}]))
         hyper = Hypers(g).snapshot()
