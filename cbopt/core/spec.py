@@ -78,7 +78,6 @@ import difflib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -86,10 +85,6 @@ import torch
 __all__ = ['CallbackSpec', 'CallbackSpecError', 'spec', 'DECLARATIONS', 'SCOPES', 'unwrap', 'cb_name']
 
 SCOPES = ('element', 'tensor', 'model')
-_EMPTY: Mapping = MappingProxyType({})
-
-
-def _empty() -> Any: return field(default_factory=lambda: _EMPTY)  # (a mappingproxy is not hashable: dataclasses want a factory)
 
 
 def unwrap(cb: Callable) -> Callable:
@@ -112,10 +107,12 @@ class CallbackSpecError(TypeError, ValueError):
 @dataclass(frozen=True)
 class CallbackSpec:
     """Everything a callback declares (see the module docstring), read and checked by `spec(cb)`. A fastai-style
-    callback that declares nothing has every field at its default: `declared` is False and its scope None."""
+    callback that declares nothing has every field at its default: `declared` is False and its scope None. Its dicts
+    are its own copies of the callback's, shared by every reader: read them, never write them (plain dicts, not
+    read-only proxies, because torch.compile traces through the spec and breaks its graph at a `mappingproxy`)."""
     name: str
     "`cb_name(cb)`: its function's name, for messages and checkpoints."
-    defaults: Mapping[str, Any] = _empty()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     """`cb._defaults` then `cb.defaults` (fastai's names), hyper -> default: merged into the optimizer's hypers
     (`chain.cb_defaults`, `chain.chain_defaults`: the optimizer, torch-format export, loads). Default: none."""
     state: Mapping[str, Any] | None = None
@@ -139,10 +136,10 @@ class CallbackSpec:
     "`cb.on_eval`: run on each param with state by `opt.eval()` (`Optimizer.train`; schedule-free). Default: None."
     supports_complex: bool = True
     "`cb.supports_complex`: False refuses complex params (`optimizer._check_complex`). Default: True."
-    torch_names: Mapping[str, str | tuple[str, ...]] = _empty()
+    torch_names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     """`cb.torch_names`, torch's group entry -> the hyper(s) it holds, beside `core.hypers.TORCH_HYPER_NAMES`
     (`state.formats.torch_hyper_names`). Default: none."""
-    torch_state: Mapping[str, str] = _empty()
+    torch_state: Mapping[str, str] = field(default_factory=dict)
     "`cb.torch_state`, torch's state name -> cbopt's (`state.formats.torch_state_names`). Default: none."
     torch_extra_state: Callable | None = None
     """`cb.torch_extra_state(**{**state, **hypers})`: entries torch keeps that cbopt computes (ASGD's `eta`, `mu`;
@@ -150,10 +147,10 @@ class CallbackSpec:
     torch_flag: str | None = None
     """`cb.torch_flag`: the torch group flag that is True exactly when it is in the chain (`state.formats.chain_flags`).
     Default: None."""
-    group_hypers: Mapping[str, str] = _empty()
+    group_hypers: Mapping[str, str] = field(default_factory=dict)
     """`cb.group_hypers`, hyper -> the hyper a joining group copies it from where it has none
     (`chain.chain_group_hypers`, the optimizer). Default: none."""
-    param_state: Mapping[str, Any] = _empty()
+    param_state: Mapping[str, Any] = field(default_factory=dict)
     """`cb.param_state` (whole-model callbacks only), entry -> initial value: per-param state kept as `'<name>.<key>'`
     (`chain.model_param_state`, `engine.model_stage`). Default: none."""
     flat_state: tuple[str, ...] = ()
@@ -161,7 +158,7 @@ class CallbackSpec:
     (`chain.flat_model_keys`, `engine.model_plan`, loads). Default: none."""
     uses_closure: bool = False
     "`cb.uses_closure` (whole-model callbacks only): it gets `closure` and `loss` (`engine.model_stage`). Default: False."
-    torch_model_state: Mapping[str, str | None] = _empty()
+    torch_model_state: Mapping[str, str | None] = field(default_factory=dict)
     """`cb.torch_model_state` (whole-model callbacks only), torch's key in a group's first param's state -> its
     `state` entry, None for torch's scratch (`state.formats.torch_model_state`). Default: none."""
 
@@ -224,7 +221,7 @@ def _read(f: Callable, own: Mapping) -> CallbackSpec:
         if values is not None:
             for k, x in v.items():
                 if not values(x): raise bad(attr, f"its entry {k!r} must be {what}, got {x!r}")
-        return MappingProxyType(dict(v))
+        return dict(v)
 
     def names(attr: str) -> tuple[str, ...]:
         v = read(attr)
@@ -256,18 +253,18 @@ def _read(f: Callable, own: Mapping) -> CallbackSpec:
     if torch_flag is not None and not isinstance(torch_flag, str):
         raise bad('torch_flag', f"expected the name of a torch flag (str), got {type(torch_flag).__name__}")
     out = CallbackSpec(
-        name=name, defaults=MappingProxyType(defaults), state=state, scope=scope,
+        name=name, defaults=defaults, state=state, scope=scope,
         transient=names('transient'), shared=names('shared'), additive=flag('additive', False),
         on_train=function('on_train'), on_eval=function('on_eval'), supports_complex=flag('supports_complex', True),
         torch_names=mapping('torch_names', lambda x: is_name(x) or (isinstance(x, tuple) and all(map(is_name, x))),
-                            'a hyper name or a tuple of them') or _EMPTY,
-        torch_state=mapping('torch_state', is_name, 'a state entry name') or _EMPTY,
+                            'a hyper name or a tuple of them') or {},
+        torch_state=mapping('torch_state', is_name, 'a state entry name') or {},
         torch_extra_state=function('torch_extra_state'), torch_flag=torch_flag,
-        group_hypers=mapping('group_hypers', is_name, 'the name of a hyper') or _EMPTY,
-        param_state=mapping('param_state') or _EMPTY, flat_state=names('flat_state'),
+        group_hypers=mapping('group_hypers', is_name, 'the name of a hyper') or {},
+        param_state=mapping('param_state') or {}, flat_state=names('flat_state'),
         uses_closure=flag('uses_closure', False),
         torch_model_state=mapping('torch_model_state', lambda x: x is None or is_name(x),
-                                  'a state entry name or None') or _EMPTY)
+                                  'a state entry name or None') or {})
     if scope != 'model':
         for attr in _MODEL_ONLY:
             if read(attr):  # (an empty or False one says nothing)
