@@ -89,6 +89,7 @@ BAD = {  # attribute -> (value, what the message says)
     'torch_names': (dict(betas=['mom', 'sqr_mom']), "its entry 'betas' must be a hyper name or a tuple of them"),
     'torch_flag': (True, "expected the name of a torch flag (str), got bool"),
     'on_train': (3, "declares on_train = 3: expected a function, got int"),
+    'group_hypers': (dict(initial_lr=1), "its entry 'initial_lr' must be the name of a hyper, got 1"),
     'flat_state': (('d',), "only a whole-model callback (scope = 'model') declares it"),
     'uses_closure': (True, "only a whole-model callback (scope = 'model') declares it"),
 }
