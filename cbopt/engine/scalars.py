@@ -129,20 +129,18 @@ class _ScalarsOnce:
                 graph.erase_node(node)
         _merge_scalars(graph)
 
-    def uuid(self) -> bytes: return _API.get_hash_for_files((__file__,))
+    def uuid(self) -> bytes: return _CLASS['api'].get_hash_for_files((__file__,))
 
 
-_API = None  # `cbopt._torch.inductor_pass_api()`, once asked for
-_CLASS: dict = {}  # 'ScalarsOnce' -> the class, once made
+_CLASS: dict = {}  # 'ScalarsOnce' -> the class, once made; 'api' -> `cbopt._torch.inductor_pass_api()` it was made from
 
 
 def _pass_class() -> type | None:
     "`ScalarsOnce`, made on inductor's `CustomGraphPass` the first time; None where this torch lacks the pass API."
-    global _API
     if 'ScalarsOnce' not in _CLASS:
-        _API = inductor_pass_api()
-        _CLASS['ScalarsOnce'] = None if _API is None else \
-            type('ScalarsOnce', (_ScalarsOnce, _API.CustomGraphPass), {'__module__': __name__, '__doc__': _ScalarsOnce.__doc__})
+        api = _CLASS['api'] = inductor_pass_api()  # (one dict: the class and the API it was made from go together)
+        _CLASS['ScalarsOnce'] = None if api is None else \
+            type('ScalarsOnce', (_ScalarsOnce, api.CustomGraphPass), {'__module__': __name__, '__doc__': _ScalarsOnce.__doc__})
     return _CLASS['ScalarsOnce']
 
 
@@ -176,7 +174,7 @@ def _is_scalar(node: torch.fx.Node) -> bool:
 def _mutates(node: torch.fx.Node) -> bool:
     "Whether `node` writes into a tensor (torch's input-mutation epilogue, an in-place op), or may (another kind of op)."
     t = node.target
-    higher_order, overload = _API.op_kinds
+    higher_order, overload = _CLASS['api'].op_kinds
     return node.op == 'call_function' and (isinstance(t, higher_order) or isinstance(t, overload) and t._schema.is_mutable)
 
 
@@ -210,4 +208,4 @@ def _merge_scalars(graph: torch.fx.Graph) -> None:
             item.meta.update(m.meta)
             m.replace_all_uses_with(item)
             graph.erase_node(m)
-    if groups: _API.stable_topological_sort(graph)
+    if groups: _CLASS['api'].stable_topological_sort(graph)
