@@ -24,56 +24,59 @@ def schedule(step: int) -> float:
 
 
 # -- Composer's update, written out from its code (the order of operations as there) -----------------------------------
-def composer_adamw(model, groups, steps, betas=(0.9, 0.95), eps=1e-8, weight_decay=1e-5, amsgrad=False):
-    """Composer's DecoupledAdamW.step on `model`: per group (lists of param names with their `lr`), the decay
-    `p *= 1 - (lr / initial_lr) * wd` first, then the moments and the bias-corrected step, as torch's AdamW."""
-    beta1, beta2 = betas
+def reference_steps(model, groups, steps):
+    """`(name, param, lr, initial_lr)` for each param of each group (lists of param names with their `initial_lr`) at
+    each of `steps` steps, the grads set and the lr scheduled as `run_cbopt` does, under no_grad: the loop both of
+    Composer's steps below share."""
     ps = dict(model.named_parameters())
-    state = {n: dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), max_exp_avg_sq=torch.zeros_like(p))
-             for n, p in ps.items()}
     for i in range(steps):
         set_grads(model, i)
         with torch.no_grad():
             for names, initial_lr in groups:
                 lr = initial_lr * schedule(i)
-                for n in names:
-                    p, s = ps[n], state[n]
-                    grad = p.grad
-                    s['step'] += 1
-                    if weight_decay != 0:
-                        decay_factor = (lr / initial_lr) if initial_lr else 1.0
-                        p.mul_(1 - decay_factor * weight_decay)
-                    bias_correction1 = 1 - beta1 ** s['step']
-                    bias_correction2 = 1 - beta2 ** s['step']
-                    s['exp_avg'].mul_(beta1).add_(grad, alpha=1 - beta1)
-                    s['exp_avg_sq'].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    if amsgrad:
-                        torch.maximum(s['max_exp_avg_sq'], s['exp_avg_sq'], out=s['max_exp_avg_sq'])
-                        denom = (s['max_exp_avg_sq'].sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                    else: denom = (s['exp_avg_sq'].sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                    p.addcdiv_(s['exp_avg'], denom, value=-lr / bias_correction1)
+                for n in names: yield n, ps[n], lr, initial_lr
+
+
+def composer_decay(p, lr, initial_lr, weight_decay):
+    "Composer's decoupled decay: `p *= 1 - (lr / initial_lr) * wd`, the whole `wd` where `initial_lr` is 0."
+    if weight_decay != 0:
+        decay_factor = (lr / initial_lr) if initial_lr else 1.0
+        p.mul_(1 - decay_factor * weight_decay)
+
+
+def composer_adamw(model, groups, steps, betas=(0.9, 0.95), eps=1e-8, weight_decay=1e-5, amsgrad=False):
+    """Composer's DecoupledAdamW.step on `model`: per group (lists of param names with their `lr`), the decay
+    `p *= 1 - (lr / initial_lr) * wd` first, then the moments and the bias-corrected step, as torch's AdamW."""
+    beta1, beta2 = betas
+    state = {n: dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), max_exp_avg_sq=torch.zeros_like(p))
+             for n, p in model.named_parameters()}
+    for n, p, lr, initial_lr in reference_steps(model, groups, steps):
+        s, grad = state[n], p.grad
+        s['step'] += 1
+        composer_decay(p, lr, initial_lr, weight_decay)
+        bias_correction1 = 1 - beta1 ** s['step']
+        bias_correction2 = 1 - beta2 ** s['step']
+        s['exp_avg'].mul_(beta1).add_(grad, alpha=1 - beta1)
+        s['exp_avg_sq'].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if amsgrad:
+            torch.maximum(s['max_exp_avg_sq'], s['exp_avg_sq'], out=s['max_exp_avg_sq'])
+            denom = (s['max_exp_avg_sq'].sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        else: denom = (s['exp_avg_sq'].sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        p.addcdiv_(s['exp_avg'], denom, value=-lr / bias_correction1)
 
 
 def composer_sgdw(model, groups, steps, momentum=0., dampening=0., weight_decay=0., nesterov=False):
     """Composer's DecoupledSGDW.step: torch's SGD momentum buffer (the first grad whole), then the decay
     `p *= 1 - (lr / initial_lr) * wd`, then `p -= lr * d_p`."""
-    ps = dict(model.named_parameters())
     bufs = {}
-    for i in range(steps):
-        set_grads(model, i)
-        with torch.no_grad():
-            for names, initial_lr in groups:
-                lr = initial_lr * schedule(i)
-                for n in names:
-                    p, d_p = ps[n], ps[n].grad
-                    if momentum != 0:
-                        if n not in bufs: bufs[n] = torch.clone(d_p).detach()
-                        else: bufs[n].mul_(momentum).add_(d_p, alpha=1 - dampening)
-                        d_p = d_p.add(bufs[n], alpha=momentum) if nesterov else bufs[n]
-                    if weight_decay != 0:
-                        decay_factor = (lr / initial_lr) if initial_lr else 1.0
-                        p.mul_(1 - decay_factor * weight_decay)
-                    p.add_(d_p, alpha=-lr)
+    for n, p, lr, initial_lr in reference_steps(model, groups, steps):
+        d_p = p.grad
+        if momentum != 0:
+            if n not in bufs: bufs[n] = torch.clone(d_p).detach()
+            else: bufs[n].mul_(momentum).add_(d_p, alpha=1 - dampening)
+            d_p = d_p.add(bufs[n], alpha=momentum) if nesterov else bufs[n]
+        composer_decay(p, lr, initial_lr, weight_decay)
+        p.add_(d_p, alpha=-lr)
 
 
 def run_cbopt(opt, model, steps):
