@@ -11,8 +11,8 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_name, chain_reads, check_chain,
-                    flat_model_keys, param_chain)
+from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_reads, check_chain,
+                         flat_model_keys, param_chain)
 from .engine import Backend, as_backend
 from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
                      model_entries)

@@ -12,7 +12,7 @@ backend (loop, foreach, fused, auto) runs the same whole-model code. torch's str
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 

@@ -14,7 +14,6 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Number
-from typing import Any
 
 import torch
 

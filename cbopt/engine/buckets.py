@@ -18,7 +18,7 @@ import torch
 
 from .._torch import metadata_guard
 from ..core.chain import chain_scope, param_chain
-from ..core.dtensor import is_dtensor, layout_key
+from ..core.dtensor import layout_key
 from ..core.tensorlist import TensorList
 from ..core.runtime import param_states, runtime
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.chain import chain_name, chain_reads, is_model_cb, model_key
-from ..core.hypers import TORCH_HYPER_NAMES, from_torch_names, torch_hyper_names
+from ..core.hypers import from_torch_names, torch_hyper_names
 from ..core.flags import split_flags
 from ..core.spec import spec
 

@@ -4,7 +4,6 @@ position otherwise (as torch does), checks everything, and builds the new state 
 nothing."""
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Mapping
 from numbers import Number
@@ -12,20 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.chain import (chain_counters, chain_defaults, chain_name, chain_reads, flat_model_keys, flat_size, init_chain_state,
-                     is_declared, model_param_state, param_chain, run_chain, transient_keys, unwrap)
+from ..core.chain import chain_name, flat_model_keys, flat_size, transient_keys
 from ..core.runtime import param_states, user_stacklevel
-from ..core.hypers import NOT_HYPERS, Hypers, _plain, check_hyper, is_model_entry, model_entries
+from ..core.hypers import NOT_HYPERS, _plain, check_hyper, is_model_entry, model_entries
 from ..core.flags import split_flags
-from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_OPTIONAL_STATE, TORCH_STEPLESS, Checkpoint, Saved,
-                      chain_flags, read_checkpoint, torch_hyper_names, torch_hypers, torch_model_entries, torch_model_state,
-                      torch_state, torch_state_names)
+from .formats import (TORCH_OPTIONAL_STATE, Checkpoint, Saved, read_checkpoint, torch_hypers, torch_model_state,
+                      torch_state)
 from ..core.names import canonical_names, is_positional
 from ..core.params import distinct_names
 
-from ..core.initial import chain_initial_state, initial_state
+from ..core.initial import initial_state
 from .save import _copied
-from .torch_format import _same_value
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
