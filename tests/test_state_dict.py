@@ -214,6 +214,63 @@ def test_load_moves_to_param_device():
         assert dst.state[q]['step'] == 3
 
 
+def _lbfgs_state_dict(dtype=torch.float32):
+    "An L-BFGS of 3 steps on a small regression: its history (`d`, `old_dirs`, `old_stps`, `prev_flat_grad`) filled."
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+    xs = torch.randn(32, 4, dtype=dtype)
+    opt = cbopt.LBFGS(net.named_parameters(), history_size=5)
+    def closure():
+        opt.zero_grad()
+        loss = (net(xs) - xs.sum(1, keepdim=True).sin()).pow(2).mean()
+        loss.backward()
+        return loss
+    for _ in range(3): opt.step(closure)
+    return net, opt.state_dict()
+
+
+def _tensors(v):
+    if torch.is_tensor(v): return [v]
+    return [t for o in v for t in _tensors(o)] if isinstance(v, (list, tuple)) else []
+
+
+@pytest.mark.parametrize('where', ['meta', 'float64'])
+def test_load_moves_whole_model_state_to_param_device(where):
+    """L-BFGS's history (whole-model state, None or [] before a first step: no template to load it like) follows the
+    params as torch's LBFGS's does (`_process_value_according_to_param_policy`: device, and floating dtype): a
+    checkpoint read with `map_location='cpu'` must step on CUDA params (`meta` stands for the other device here)."""
+    net, sd = _lbfgs_state_dict()
+    dst_net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    dst_net = dst_net.to('meta') if where == 'meta' else dst_net.double()
+    dst = cbopt.LBFGS(dst_net.named_parameters(), history_size=5)
+    dst.load_state_dict(sd)
+    ref = torch.optim.LBFGS(dst_net.parameters(), history_size=5)  # torch's own rule, on the same params
+    src = cbopt.LBFGS(net.named_parameters(), history_size=5)
+    src.load_state_dict(sd)
+    ref.load_state_dict(src.state_dict(format=torch.optim.LBFGS))
+    theirs = ref.state[next(iter(dst_net.parameters()))]
+    g = dst.param_groups[0]
+    for k in ('d', 'old_dirs', 'old_stps', 'prev_flat_grad'):
+        ours, ref_ts = _tensors(g['lbfgs.' + k]), _tensors(theirs[k])
+        assert ours and len(ours) == len(ref_ts), k
+        assert [(t.device, t.dtype) for t in ours] == [(t.device, t.dtype) for t in ref_ts], k
+        if where == 'float64':
+            for a, b in zip(ours, ref_ts): torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_load_moves_tensor_lr_to_param_device():
+    "A tensor lr saved on the CPU loads on the params' device (torch's fused kernels read it there), as a copy."
+    src = cbopt.Adam(make_model(0).named_parameters(), lr=torch.tensor(0.01))
+    sd = src.state_dict()
+    dst = cbopt.Adam(make_model(1).to('meta').named_parameters(), lr=0.02)
+    dst.load_state_dict(sd)
+    lr = dst.param_groups[0]['lr']
+    assert torch.is_tensor(lr) and lr.device.type == 'meta'
+    cpu = cbopt.Adam(make_model(1).named_parameters(), lr=torch.tensor(0.02))
+    cpu.load_state_dict(sd)
+    assert cpu.param_groups[0]['lr'] == 0.01 and cpu.param_groups[0]['lr'] is not sd['param_groups'][0]['lr']
+
+
 # -- init_state --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, lr=0.1, wd=0.1), lambda ps: cbopt.SGD(ps, lr=0.1, mom=0.9, wd=0.1),
                                   lambda ps: cbopt.RMSProp(ps, lr=0.1, mom=0.5), lambda ps: cbopt.ranger(ps, lr=0.1)],

@@ -161,9 +161,11 @@ class TensorList(list):
         fn = _fe(name + '_' * inplace)
         scaled = name in ('add', 'sub') and not (isinstance(alpha, Number) and alpha == 1)
         kw = {'alpha': alpha} if scaled else {}
-        # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and the in-place
-        # mul by a number rounds the number to a 16-bit float dtype first (Tensor.mul_ multiplies in float32)
-        if number and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)):
+        # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and on the CPU the
+        # in-place mul by a number rounds the number to a 16-bit float dtype first (Tensor.mul_ multiplies in float32;
+        # CUDA's foreach kernel does too, in its float32 opmath: one call for the bucket there)
+        if number and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)
+                                                  and list.__getitem__(self, 0).is_cpu):  # (a bucket: one device)
             res = [getattr(t, name + '_' * inplace)(other, **kw) for t in self]
         else: res = fn(list(self), other, **kw)
         return self if inplace else TensorList(res)

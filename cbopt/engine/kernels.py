@@ -13,8 +13,6 @@ optimizers under GradScaler, and `scaler.unscale_` for the others, leave them).
 """
 from __future__ import annotations
 
-import functools
-
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -83,6 +81,13 @@ def _scaled_slices(b: Bucket, scale: torch.Tensor, keys: tuple[str, ...]):
     if run[0]: yield run
 
 
+# the param dtypes a kernel steps, by device: torch's CUDA kernels take 16-bit params (their math in float32, one rounding
+# per value: within 16-bit tolerance of the chain, which rounds each op, as torch's fused and foreach paths differ); on
+# the CPU 16-bit buckets run the chain, whose roundings the CPU tests hold to the loop backend's
+_KERNEL_DTYPES = {'cpu': (torch.float32, torch.float64),
+                  'cuda': (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+
+
 def _is_float(*vs) -> bool: return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)
 
 
@@ -129,7 +134,7 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     lr = hyper['lr']  # a number, or a tensor on the params' device (the kernels take either: a tensor lr is read in them)
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
     if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
-    if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in (torch.float32, torch.float64): return None
+    if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in _KERNEL_DTYPES[p0.device.type]: return None
     if not b.kept(buffers, lambda: _laid_out_alike(b, buffers)): return None  # (the layout is the plan's)
     copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
     if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
@@ -157,11 +162,10 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
     kernel = fused_kernel(op)
     if kernel is None: return None
     step = st['step'] + 1
-    step_t = _step_tensor(step, p0.device)
 
     def call(ps, gs, *bufs, grad_scale):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
-        kernel(ps, gs, *bufs, *no_max, [step_t] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
+        kernel(ps, gs, *bufs, *no_max, [_step_tensor(step, p0.device)] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
                beta2=hyper['sqr_mom'], eps=hyper['eps'], weight_decay=_wd(hyper, st), amsgrad=amsgrad,
                maximize=maximize, grad_scale=grad_scale)
     run = kernel_step(b, hyper, moments, ('mom', 'sqr_mom', 'eps', 'wd'), call, on_dtensors=True, **scales)
@@ -210,10 +214,9 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
     kernel = fused_kernel('_fused_adagrad_')
     if kernel is None: return None
     step = st['step'] + 1
-    step_t = torch.tensor(float(step), device=p0.device)  # (the kernel reads it as a float: exact to 2**24 steps)
 
     def call(ps, gs, sums, grad_scale):
-        kernel(ps, gs, sums, [step_t] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
+        kernel(ps, gs, sums, [_step_tensor(step, p0.device)] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
                weight_decay=0. if decoupled else _wd(hyper, st), eps=hyper['eps'], maximize=maximize,
                grad_scale=grad_scale)
     run = kernel_step(b, hyper, ('sqr_sum',), ('lr_decay', 'wd', 'eps', 'initial_accumulator_value'), call, **scales)
@@ -226,12 +229,30 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
     return _counting_steps(first_fills, b, step)
 
 
-@functools.lru_cache(maxsize=16)
+_STEPS: dict = {}  # device -> [count, its float32 tensor]: the step count the kernels read, one per device
+
+
 def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
-    """The step count as torch's Adam kernels take it (a float tensor per param, which they read and never write):
-    one per count and device, shared by every bucket stepping with it (making one cost as much as a small bucket's
-    kernel)."""
-    return torch.tensor(float(step), device=device)
+    """The step count as torch's kernels take it: a float32 0-d tensor on the params' device (their CUDA kernels read it
+    as float32, whatever the default dtype; exact to 2**24 steps, as torch's), which they read and never write. One per
+    device, shared by every bucket stepping with it, kept from step to step and counted in place (`add_(1)`, as torch
+    counts its own; `fill_` where the count jumped: a load, another optimizer): a kernel launch, never a host-to-device
+    copy, so a CUDA step does not wait for the GPU (`torch.tensor(x, device='cuda')` would). Kernels already launched
+    with it read it first: a stream runs in order, and a CPU kernel has run when its call returns. Made at the kernel's
+    call, not when its adapter is asked: another bucket at another count may move it in between."""
+    kept = _STEPS.get(device)
+    if kept is None:
+        t = torch.full((), float(step), dtype=torch.float32, device=device)  # (a fill kernel: no copy from the host)
+        _STEPS[device] = [step, t]
+        return t
+    if kept[0] != step:
+        if step == kept[0] + 1: kept[1].add_(1)
+        else: kept[1].fill_(float(step))
+        kept[0] = step
+    return kept[1]
+
+
+_step_tensor.cache_clear = _STEPS.clear  # a fresh start (fake-CUDA checks): the name its lru_cache had
 
 
 def _wd(hyper: Mapping, st: Mapping):

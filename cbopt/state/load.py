@@ -257,6 +257,8 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
     for i, h in enumerate(hypers):  # a corrupt checkpoint must not load a NaN lr
         for key, v in h.items(): check_hyper(key, v, i)
+        for key, v in h.items():  # a tensor hyper (lr) where the group steps: torch's kernels take it on their device
+            if isinstance(v, torch.Tensor): h[key] = _hyper_tensor(v, opt.param_groups[i].get(key), opt.param_groups[i])
     if (names := adopted_names(opt, ck, matched)) is not None:
         for h, n in zip(hypers, names): h['param_names'] = n
     if ck.origin == 'cbopt' or any(model_entries(g) for g in ck.groups):  # torch's and fastai's have none: ours stay
@@ -265,15 +267,15 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
         saved = [matched[a:b] for a, b in zip(starts, starts[1:])]  # the checkpoint's params of each of our groups
         if aligned:
             for i, (h, g, mine) in enumerate(zip(hypers, ck.groups, opt.param_groups)):
-                loaded = _model_entries(f"group {i}", model_entries(g), model_entries(mine))
+                loaded = _on_params_device(_model_entries(f"group {i}", model_entries(g), model_entries(mine)), mine)
                 h.update(_in_our_order(f"group {i}", loaded, mine, saved[i], ck, dict.fromkeys(loaded, i)))
         else:
             ours = {key: v for g in opt.param_groups for key, v in model_entries(g).items()}
             pool, source = _pooled_model_entries(ck)
             loaded = _model_entries("any group", pool, ours)
             for i, (h, mine) in enumerate(zip(hypers, opt.param_groups)):
-                h.update(_in_our_order(f"group {i}", {key: loaded[key] for key in model_entries(mine)}, mine, saved[i],
-                                       ck, source))
+                entries = _on_params_device({key: loaded[key] for key in model_entries(mine)}, mine)
+                h.update(_in_our_order(f"group {i}", entries, mine, saved[i], ck, source))
     return new_state, hypers
 
 
@@ -286,3 +288,33 @@ def _model_entries(where: str, theirs: Mapping, ours: Mapping) -> dict:
     for k in ours:
         if k not in theirs: raise KeyError(f"whole-model callback state {k!r} ({where}) is missing from the state_dict")
     return {k: None if theirs[k] is None else _load_value(f"whole-model callback state {k!r} ({where})", theirs[k], ours[k]) for k in ours}  # None: not yet
+
+
+def _hyper_tensor(v: torch.Tensor, current: Any, group: Mapping) -> torch.Tensor:
+    """A tensor hyper from a checkpoint (a tensor `lr`), copied to where the group keeps it: the device of its current
+    value if a tensor, else of its params (torch's fused kernels take a tensor lr on the params' device: one left on
+    the CPU by `torch.load(map_location='cpu')` would leave the kernel for a slower path). A copy, as torch's load
+    deep-copies the groups: the checkpoint's tensor is never the group's."""
+    where = current if isinstance(current, torch.Tensor) else next(iter(group['params']), None)
+    device = where.device if where is not None else v.device
+    return v.detach().to(device=device, copy=True)
+
+
+def _on_params_device(entries: dict, group: Mapping) -> dict:
+    """Whole-model state loaded into `group` with every tensor, in lists too (L-BFGS's `d`, `old_dirs`, `old_stps`,
+    `prev_flat_grad`, `ro`, `H_diag`), on the group's params' device, floating ones in their dtype: torch's rule for the
+    state it keeps under a param (`Optimizer._process_value_according_to_param_policy`), as the entry has no template
+    here (None or [] before a first step; an entry this optimizer holds as a tensor loads as that tensor is, by
+    `_load_value`). A checkpoint read with `torch.load(map_location='cpu')` then steps on
+    CUDA params without a device mismatch."""
+    p0 = next(iter(group['params']), None)
+    if p0 is None: return entries
+    dtype = p0.dtype if p0.is_floating_point() else None
+
+    def moved(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if v.device == p0.device and (dtype is None or not v.is_floating_point() or v.dtype == dtype): return v
+            return v.to(device=p0.device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+        if isinstance(v, (list, tuple)): return type(v)(moved(o) for o in v)
+        return v
+    return {k: v if isinstance(group.get(k), torch.Tensor) else moved(v) for k, v in entries.items()}  # (else: as `like`)

@@ -10,6 +10,7 @@ import torch
 
 from ..core.chain import chain_counters, chain_name
 from ..core.hypers import Hypers, _plain, model_entries
+from ..core.dtensor import is_dtensor
 from ..core.runtime import param_states
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
@@ -21,27 +22,39 @@ def named_state_dict(opt: Optimizer) -> dict:
     """The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params. A snapshot: its
     tensors are copies, so a checkpoint kept in memory does not change as training goes on (torch's aliases the live
     state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
-    earlier step's count)."""
+    earlier step's count). The copies of state on an accelerator (CUDA) are made in host memory (`_snapshot`): a
+    dict kept while training holds no second copy of the state on the GPU (Adam's is twice the model's size), and
+    `torch.save` writes host memory anyway; every load puts the state back on its params' device."""
     state = {}
     for g in opt.param_groups:
         counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
         for name, p in zip(g['param_names'], g['params']):
             if s := param_states(opt).get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
-    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v)) for k, v in model_entries(g).items()},
+    groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v), host=True) for k, v in model_entries(g).items()},
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
 
 
 def _snapshot(v: Any, counter: type | None = None) -> Any:
     "A state value as a checkpoint holds it: a tensor copied, a counter (`chain_counters`: its type) as a Python number."
-    if isinstance(v, torch.Tensor): return counter(v.item()) if counter is not None else v.detach().clone()
+    if isinstance(v, torch.Tensor): return counter(v.item()) if counter is not None else _host_copy(v)
     return _plain(v)
 
 
-def _copied(v: Any) -> Any:
-    "`v` with its tensors copied, in lists too (whole-model state such as LBFGS's history): a snapshot, not an alias."
-    if isinstance(v, torch.Tensor): return v.detach().clone()
-    if isinstance(v, (list, tuple)): return type(v)(_copied(o) for o in v)
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` for a checkpoint: in host memory where `t` is on an accelerator (no second copy of the state on
+    the GPU while the dict lives), where it is otherwise (CPU; 'meta', which has no data to copy; a DTensor, whose
+    shards DCP reads where they are)."""
+    t = t.detach()
+    if t.device.type in ('cpu', 'meta') or is_dtensor(t): return t.clone()
+    return t.to('cpu')  # (a new tensor: never the live state)
+
+
+def _copied(v: Any, host: bool = False) -> Any:
+    """`v` with its tensors copied, in lists too (whole-model state such as LBFGS's history): a snapshot, not an alias;
+    with `host`, copied to host memory as `_host_copy` does (a checkpoint's)."""
+    if isinstance(v, torch.Tensor): return _host_copy(v) if host else v.detach().clone()
+    if isinstance(v, (list, tuple)): return type(v)(_copied(o, host) for o in v)
     return v
 
 
