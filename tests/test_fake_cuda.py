@@ -1,0 +1,131 @@
+"""cbopt on CUDA, checked without a GPU (issue #28): every prebuilt optimizer's default step over fake CUDA tensors
+(`tests/fake_cuda.py`) makes no host-device sync, keeps its state on the params' device, and loads a checkpoint read
+with `map_location='cpu'` back onto it; 16-bit buckets take one kernel call per op, not one per param. What a real GPU
+run checks besides (numbers, speed): `tools/gpu_check.sh`."""
+import pytest
+import torch
+
+import cbopt
+from cases import CASES
+from fake_cuda import cuda_params, fake_cuda, off_device, on_host, set_grads
+
+STEPS = 3
+
+
+def steps(opt, params, log, n=STEPS, scaler=False):
+    "`n` steps; the syncs and ops of the last one (the steady state: the first creates the state)."
+    for i in range(n):
+        opt.zero_grad()
+        set_grads(params)
+        if scaler: opt.grad_scale, opt.found_inf = torch.full((), 1024., device='cuda'), torch.zeros(1, device='cuda')
+        log.clear()
+        log.on = i == n - 1
+        opt.step()
+        log.on = False
+        if scaler: del opt.grad_scale, opt.found_inf
+    return dict(log.syncs), dict(log.where)
+
+
+STEPPABLE = [c for c in CASES if not c.needs_closure]
+
+
+@pytest.mark.parametrize('case', STEPPABLE, ids=str)
+def test_default_step_has_no_sync_and_state_stays_on_device(case):
+    """The default backend's step: no host-device sync once the state exists; every state tensor on the params'
+    device; a checkpoint moved to the CPU loads back onto it, and the loaded optimizer steps there."""
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        opt = case.build(ps, 1e-3)
+        syncs, where = steps(opt, ps, log)
+        assert not syncs, f"{case}: {syncs} at {where}"
+        assert not off_device(opt)
+        fresh = case.build(ps, 1e-3)
+        fresh.load_state_dict(on_host(opt.state_dict()))
+        assert not off_device(fresh)
+        syncs, where = steps(fresh, ps, log, n=1)
+        assert not syncs, f"{case} after a load: {syncs} at {where}"
+
+
+def test_lbfgs_history_loaded_from_cpu_steps_on_cuda():
+    "L-BFGS's history from a `map_location='cpu'` checkpoint lands on the CUDA params' device (its next step's math)."
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    xs = torch.randn(32, 4)
+    opt = cbopt.LBFGS(net.named_parameters(), history_size=5)
+    def closure():
+        opt.zero_grad()
+        loss = (net(xs) - xs.sum(1, keepdim=True).sin()).pow(2).mean()
+        loss.backward()
+        return loss
+    for _ in range(3): opt.step(closure)
+    sd = opt.state_dict()
+    with fake_cuda():
+        ps = [(n, torch.nn.Parameter(torch.empty(p.shape, device='cuda'))) for n, p in net.named_parameters()]
+        gpu = cbopt.LBFGS(ps, history_size=5)
+        gpu.load_state_dict(sd)
+        assert not off_device(gpu)
+        flat = torch.cat([torch.ones_like(p).reshape(-1) for _, p in ps])
+        flat.sub(gpu.param_groups[0]['lbfgs.prev_flat_grad']).dot(gpu.param_groups[0]['lbfgs.d'])
+
+
+@pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, 1e-3), lambda ps: cbopt.Adam(ps, 1e-3, decouple_wd=False),
+                                  lambda ps: cbopt.Adagrad(ps, 1e-2), lambda ps: cbopt.optim.AdamW(ps, fused=True)],
+                         ids=['adamw', 'adam-l2', 'adagrad', 'optim.AdamW-fused'])
+def test_kernel_step_count_is_float32_on_device(make):
+    """torch's kernels get the step count as a float32 0-d tensor on the params' device, made without a host-to-device
+    copy and counted in place (not one per step), whatever the default dtype (CUDA's kernels read it as float32)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        with fake_cuda() as (log, kernels):
+            ps = cuda_params(torch.float32)
+            opt = make(ps)
+            syncs, where = steps(opt, ps, log, n=4)
+            assert not syncs, where
+            assert sum(kernels.calls.values()) == 3  # (the first step runs the chain, which makes the state; the
+            # stand-in checked the count's dtype and device at each call)
+            assert log.ops.get('aten.add_.Tensor', 0) + log.ops.get('aten.add_.Scalar', 0) == 1  # counted in place
+    finally: torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize('name,backend', [('Adam', 'foreach'), ('Lion', 'foreach'), ('Adam', 'auto'), ('SGD', 'auto')])
+def test_bf16_bucket_is_one_call_per_op(name, backend):
+    """A bf16 bucket on CUDA costs the ops of an fp32 one: one foreach call per op (the per-param multiply is a CPU
+    numerics rule), and torch's fused kernel where one computes the chain (its CUDA kernels take 16-bit params)."""
+    counts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with fake_cuda() as (log, kernels):
+            ps = cuda_params(dtype, [(f'{i}', (8, 4)) for i in range(50)])
+            opt = getattr(cbopt, name)(ps, lr=1e-3, mom=0.9, wd=0.01, backend=backend)
+            steps(opt, ps, log)
+            counts[dtype] = (sum(log.ops.values()), dict(kernels.calls))
+    assert counts[torch.bfloat16] == counts[torch.float32] and counts[torch.float32][0] < 20, counts
+
+
+@pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, 1e-3), lambda ps: cbopt.Lion(ps, 1e-4)], ids=['adam', 'lion'])
+def test_state_dict_holds_no_second_device_copy(make):
+    "state_dict() snapshots CUDA state into host memory: no second copy on the GPU while the dict lives."
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        opt = make(ps)
+        steps(opt, ps, log, n=1)
+        sd = opt.state_dict()
+        devices = {t.device.type for st in sd['state'].values() for t in st.values() if isinstance(t, torch.Tensor)}
+        assert devices == {'cpu'}
+
+
+@pytest.mark.parametrize('make', [lambda ps: cbopt.Adam(ps, 1e-3), lambda ps: cbopt.Lion(ps, 1e-4, wd=0.1),
+                                  lambda ps: cbopt.SGD(ps, 1e-2, mom=0.9)], ids=['adam', 'lion', 'sgd-mom'])
+def test_in_backward_step_has_no_sync(make):
+    "InBackward's hook (each param alone, torch's kernel where the backend would use it) makes no host-device sync."
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        opt = cbopt.InBackward(make(ps))
+        for i in range(STEPS):
+            set_grads(ps)
+            log.clear()
+            log.on = i == STEPS - 1
+            for _, p in reversed(ps): opt._step_in_backward(p)  # (what backward's post-accumulate-grad hooks call)
+            log.on = False
+            assert all(p.grad is None for _, p in ps)
+        assert not log.syncs, dict(log.where)
+        assert not off_device(opt)
