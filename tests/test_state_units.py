@@ -950,3 +950,38 @@ def test_lbfgs_of_one_param_keeps_its_history_under_it() -> None:
     theirs, ours = (sd['state'] for sd in sds)
     assert list(ours) == list(theirs) == [0] and sorted(ours[0]) == sorted(k for k in theirs[0] if k != 'al')
     assert ours[0]['n_iter'] == theirs[0]['n_iter'] and len(ours[0]['old_dirs']) == len(theirs[0]['old_dirs']) > 0
+
+
+def test_a_named_checkpoint_names_an_unnamed_optimizers_groups_each_at_its_own_offset() -> None:
+    """Positions only (plain tensors) loading a named checkpoint adopt its names group by group, each group's slice
+    starting where the last ended: three groups of 1, 2 and 3 params (unequal, so a wrong offset names wrong params)."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(2, 1))
+    ps = list(m.parameters())
+    groups = lambda: [{'params': ps[:1]}, {'params': ps[1:3]}, {'params': ps[3:]}]
+    named = cbopt.Adam([{**g, 'params': [(n, p) for n, p in m.named_parameters() if any(p is q for q in g['params'])]}
+                        for g in groups()], lr=1e-2)
+    grads(ps, 0)
+    named.step()
+    unnamed = cbopt.Adam(groups(), lr=1e-2)
+    unnamed.load_state_dict(named.state_dict())
+    assert [g['param_names'] for g in unnamed.param_groups] == [g['param_names'] for g in named.param_groups]
+    assert [g['param_names'] for g in unnamed.param_groups] == [['0.weight'], ['0.bias', '1.weight'],
+                                                                ['1.bias', '2.weight', '2.bias']]
+
+
+def test_a_torch_class_checkpoint_names_the_backend_that_ran_in_torchs_flags() -> None:
+    """torch's `foreach` entry is True for the foreach backend, False for the loop, torch's default (None) otherwise;
+    `fused` True for the fused backend only. (One test, no backend in its name: the mutation runs' loop-backend filter
+    would leave it out.)"""
+    for backend, foreach in (('foreach', True), ('loop', False), ('fused', None)):
+        sd = adam(steps=0, backend=backend).state_dict(format=torch.optim.Adam)
+        assert all(g['foreach'] is foreach for g in sd['param_groups']), backend
+        assert all(g['fused'] is (True if backend == 'fused' else None) for g in sd['param_groups']), backend
+
+
+def test_a_number_loaded_for_a_0d_tensor_state_goes_to_that_tensors_device() -> None:
+    "A number saved for state kept as a 0-d tensor loads as a tensor of that state's dtype on that state's device."
+    from cbopt.state.load import _load_value
+    like = torch.zeros((), dtype=torch.float64, device='meta')
+    out = _load_value("state 'sum' of param 'w'", 3, like)
+    assert (out.dtype, out.device) == (torch.float64, torch.device('meta'))

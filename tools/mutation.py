@@ -41,7 +41,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                          'test_loads_torchs_state_dict', 'test_torch_loads_cbopts_state_dict',
                                          'test_state_dict_for_a_torch_class_refuses_what_it_cannot_hold',
                                          'test_torch_checkpoint_with_another_weight_decay_is_rejected',
-                                         'test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain')],
+                                         'test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain',
+                                         # the torch view of live state (`torch_view.py`)
+                                         'test_live_state_is_torchs', 'test_live_state_writes_reach_the_step',
+                                         'test_param_groups_and_state_dict_are_torchs')],
                                      'tests/test_lbfgs.py::test_torch_loads_its_state_dict_mid_run',
                                      'tests/test_lbfgs.py::test_loads_torchs_state_dict_mid_run',
                                      'tests/test_lbfgs.py::test_loads_torchs_state_dict_before_any_history']),
