@@ -41,6 +41,9 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   buckets' own order (the same norm, rounded in another order).
 - `torch.utils._pytree.tree_leaves` (`tree_leaves`; 2.13): the tensors of a nested structure, for
   `cbopt.functional`. Missing: dicts, lists and tuples walked here.
+- `torch.utils._pytree.tree_flatten_with_path`, `tree_unflatten` and its key entries `MappingKey`, `SequenceKey`,
+  `GetAttrKey` (`tree_paths`; 2.2): the params of `cbopt.functional` as any pytree (nested dicts, lists, tuples,
+  namedtuples), each leaf with its path (its FQN). Missing: dicts, lists, tuples and namedtuples walked here.
 - `torch._C.TensorBase` (`data_getter`; 2.2, `torch._C._TensorBase` before): the `.data` getter, as a torch
   function mode sees it, for `cbopt.functional`.
 - `torch._dynamo.utils.counters` (`dynamo_counters`; 2.0): what dynamo and inductor counted (graphs, FX-graph
@@ -64,6 +67,7 @@ import torch
 __all__ = ['warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
            'compile_config', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
+           'tree_paths', 'tree_get',
            'data_getter', 'dynamo_counters', 'strong_wolfe']
 
 _WARNED: set = set()
@@ -220,6 +224,48 @@ def tree_leaves(tree: Any) -> list:
     if isinstance(tree, dict): return [x for v in tree.values() for x in tree_leaves(v)]
     if isinstance(tree, (list, tuple)): return [x for v in tree for x in tree_leaves(v)]
     return [tree]
+
+
+def tree_paths(tree: Any) -> tuple[list[tuple], list, Callable[[list], Any]]:
+    """The leaves of a nested structure (dicts, lists, tuples, namedtuples, and any container torch's pytree knows),
+    each with its path (a tuple of dict keys, sequence indices and namedtuple field names), and a function rebuilding
+    the structure around new leaves given in that order."""
+    try: from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_unflatten
+    except ImportError: tree_flatten_with_path = None
+    if tree_flatten_with_path is not None:
+        pairs, spec = tree_flatten_with_path(tree)
+        def key(k):
+            if isinstance(k, MappingKey): return k.key
+            if isinstance(k, SequenceKey): return k.idx
+            if isinstance(k, GetAttrKey): return k.name
+            raise TypeError(f"a pytree key {k!r} that is not a dict key, an index or a field")
+        return ([tuple(map(key, path)) for path, _ in pairs], [leaf for _, leaf in pairs],
+                lambda leaves: tree_unflatten(list(leaves), spec))
+    return _walk_paths(tree)
+
+
+def _walk_paths(tree: Any) -> tuple[list[tuple], list, Callable[[list], Any]]:
+    "`tree_paths` without torch's pytree: dicts, lists, tuples and namedtuples (anything else is a leaf)."
+    if isinstance(tree, Mapping): keys, kids = list(tree), list(tree.values())
+    elif isinstance(tree, (list, tuple)):
+        keys, kids = (list(tree._fields) if hasattr(tree, '_fields') else list(range(len(tree)))), list(tree)
+    else: return [()], [tree], lambda leaves: leaves[0]
+    parts = [_walk_paths(kid) for kid in kids]
+    paths = [(k, *p) for k, (ps, _, _) in zip(keys, parts) for p in ps]
+    def rebuild(leaves: list) -> Any:
+        out, i = [], 0
+        for ps, _, re in parts:
+            out.append(re(leaves[i:i + len(ps)]))
+            i += len(ps)
+        if isinstance(tree, Mapping): return dict(zip(keys, out))
+        return type(tree)(*out) if hasattr(tree, '_fields') else type(tree)(out)
+    return paths, [leaf for _, ls, _ in parts for leaf in ls], rebuild
+
+
+def tree_get(tree: Any, path: tuple) -> Any:
+    "The node of `tree` at `path` (as `tree_paths` gives it): a dict's key, a sequence's index, a namedtuple's field."
+    for k in path: tree = tree[k] if isinstance(tree, Mapping) or isinstance(k, int) else getattr(tree, k)
+    return tree
 
 
 def data_getter() -> Any:

@@ -2,6 +2,7 @@
 its documented fallback with one warning, stepping what the loop backend steps; never an import error or a crash in
 the middle of a step. Also: an unknown dynamo setting or inductor option falls back to foreach inside the compiled
 runner's `try`."""
+import collections
 import sys
 import warnings
 
@@ -184,3 +185,19 @@ def test_flatten_and_leaves_fallbacks_are_torchs(monkeypatch):
     assert torch.equal(_torch.flatten_dense(ts), want_flat)
     got = _torch.tree_leaves(tree)
     assert len(got) == len(want_leaves) and all(a is b for a, b in zip(got, want_leaves))
+
+
+def test_tree_paths_fallback_is_torchs(monkeypatch):
+    "`tree_paths` without torch's pytree gives the same paths and leaves, and rebuilds the same containers."
+    Pair = collections.namedtuple('Pair', 'weight bias')
+    ts = [torch.randn(2), torch.randn(3), torch.randn(()), torch.randn(1)]
+    tree = {'a': [Pair(ts[0], ts[1]), (ts[2],)], 'b': {'c': ts[3]}}
+    paths, leaves, rebuild = _torch.tree_paths(tree)
+    assert paths == [('a', 0, 'weight'), ('a', 0, 'bias'), ('a', 1, 0), ('b', 'c')]
+    want = rebuild([t * 2 for t in leaves])
+    monkeypatch.setitem(sys.modules, 'torch.utils._pytree', None)
+    got_paths, got_leaves, got_rebuild = _torch.tree_paths(tree)
+    assert got_paths == paths and all(a is b for a, b in zip(got_leaves, leaves))
+    got = got_rebuild([t * 2 for t in got_leaves])
+    assert type(got['a'][0]) is Pair and type(got['a'][1]) is tuple
+    assert all(torch.equal(_torch.tree_get(got, p), _torch.tree_get(want, p)) for p in paths)

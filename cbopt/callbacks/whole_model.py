@@ -21,7 +21,7 @@ from .._torch import device_dtype_groups, foreach_op
 from ..core.chain import zeros
 from ..core.dtensor import across_shards, any_across_shards, global_value, layout_key, local
 
-__all__ = ['grad_norm', 'clip_grad_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads']
+__all__ = ['grad_norm', 'clip_grad_norm', 'clip_by_global_norm', 'clip_grad_value', 'skip_nonfinite', 'accumulate_grads']
 
 
 def _torch_order(params: list) -> list:
@@ -83,6 +83,20 @@ clip_grad_norm.scope = 'model'
 clip_grad_norm.defaults = dict(max_norm=1.0, norm_type=2.0, in_place=False)  # fastai's GradientClip defaults
 clip_grad_norm.state = {}
 clip_grad_norm.transient = ('grad_norm',)
+
+
+def clip_by_global_norm(params, max_norm, in_place=False, **kwargs):
+    """optax's `clip_by_global_norm`: grads whose total 2-norm `g` reaches `max_norm` are scaled by `max_norm / g`,
+    with no epsilon (torch's `clip_grad_norm` adds 1e-6 to `g`, so its clipped norm falls just short of `max_norm`);
+    the others are left as they are. `in_place` and `grad_norm` as `clip_grad_norm`'s."""
+    total = total_grad_norm(params, 2.0)
+    if not params: return {'grad_norm': total}
+    coef = torch.where(total < max_norm, torch.ones_like(total), max_norm / total)
+    return {'grad_norm': total, 'grad_scale': coef, 'grad_scale_in_place': bool(in_place)}
+clip_by_global_norm.scope = 'model'
+clip_by_global_norm.defaults = dict(max_norm=1.0, in_place=False)
+clip_by_global_norm.state = {}
+clip_by_global_norm.transient = ('grad_norm',)
 
 
 def grad_norm(params, norm_type=2.0, **kwargs):
@@ -147,3 +161,54 @@ accumulate_grads.scope = 'model'
 accumulate_grads.defaults = dict(every=1)
 accumulate_grads.state = dict(micro_step=0)
 accumulate_grads.param_state = dict(grad_sum=zeros)
+
+
+# -- pure forms, for `cbopt.functional` -------------------------------------------------------------------------------
+# `pure(grads, **{**param_state, **state, **hypers}) -> dict`: the callback over a list of grads (one per param with a
+# grad), its per-param state as lists aligned with them, its own state as 0-d tensors. It returns its new state and
+# per-param state, `grads` where it changes them, and `skip` (a 0-d bool tensor) where it may skip the step: data, not
+# control flow, so the update composes with vmap, grad and torch.compile. The same numbers as the callback.
+def _total_norm(grads: list, norm_type: float) -> torch.Tensor:
+    "The norm of all grads as one vector, as `total_grad_norm` computes it (the norm of the per-grad norms)."
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+
+
+def _pure_clip_grad_norm(grads, max_norm, norm_type=2.0, **kwargs) -> dict:
+    coef = torch.clamp(max_norm / (_total_norm(grads, float(norm_type)) + 1e-6), max=1.0)
+    return {'grads': [g * coef for g in grads]}
+
+
+def _pure_clip_by_global_norm(grads, max_norm, **kwargs) -> dict:
+    total = _total_norm(grads, 2.0)
+    coef = torch.where(total < max_norm, torch.ones_like(total), max_norm / total)
+    return {'grads': [g * coef for g in grads]}
+
+
+def _pure_clip_grad_value(grads, clip_value, **kwargs) -> dict:
+    return {'grads': [g.clamp(-clip_value, clip_value) for g in grads]}
+
+
+def _pure_skip_nonfinite(grads, skipped_total, skipped_consecutive, max_consecutive=None, **kwargs) -> dict:
+    if max_consecutive is not None:
+        raise ValueError("skip_nonfinite with max_consecutive raises once training diverges, which a pure update cannot "
+                         "(under vmap or torch.compile): set max_consecutive=None and read "
+                         "state['skip_nonfinite']['skipped_consecutive'] instead")
+    bad = ~torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    return {'skip': bad, 'skipped_total': skipped_total + bad.to(skipped_total.dtype),
+            'skipped_consecutive': torch.where(bad, skipped_consecutive + 1, torch.zeros_like(skipped_consecutive))}
+
+
+def _pure_accumulate_grads(grads, grad_sum, every, micro_step, **kwargs) -> dict:
+    emit = micro_step + 1 >= every
+    return {'skip': ~emit, 'micro_step': torch.where(emit, torch.zeros_like(micro_step), micro_step + 1),
+            'grads': [g.add(s).div(every) for g, s in zip(grads, grad_sum)],
+            'grad_sum': [torch.where(emit, torch.zeros_like(s), s + g) for g, s in zip(grads, grad_sum)]}
+
+
+def _pure_grad_norm(grads, **kwargs) -> dict: return {}
+
+
+PURE = {clip_grad_norm: _pure_clip_grad_norm, clip_by_global_norm: _pure_clip_by_global_norm,
+        clip_grad_value: _pure_clip_grad_value, skip_nonfinite: _pure_skip_nonfinite,
+        accumulate_grads: _pure_accumulate_grads, grad_norm: _pure_grad_norm}
+"""The pure form of each whole-model callback that has one (see above), by callback: what `cbopt.functional` runs."""
