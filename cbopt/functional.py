@@ -633,7 +633,8 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
     """The pure form of an optimizer: `cbopt.functional(cbopt.Adam, lr=1e-3, wd=0.01)`, or of a chain:
     `cbopt.functional([cbopt.weight_decay, ...], lr=...)`, with the same hyper defaults and checks as the Optimizer.
     `dynamic` names the hypers kept as tensors in the state (default: `lr`; see the module docstring). A factory
-    that groups the params apart (`cbopt.Muon`: matrices and the rest) gives a `Partition`, one label per group.
+    that groups the params apart (`cbopt.Muon`: matrices and the rest) gives a `Partition`, one label per group, as
+    does an Optimizer whose groups differ (its params by name, `'group0'`, `'group1'`... as its groups).
 
     ```python
     import torch, cbopt
@@ -647,6 +648,12 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
     factory = callable(factory_or_cbs) and not isinstance(factory_or_cbs, (Optimizer, list, tuple)) \
         and declared_state(factory_or_cbs) is None
     if factory and _splits(factory_or_cbs, hypers): return _FactoryPartition(factory_or_cbs, hypers, dynamic)
+    if isinstance(factory_or_cbs, Optimizer) and not hypers and len(factory_or_cbs.param_groups) > 1:
+        groups = factory_or_cbs.param_groups
+        if len({(chain_name(g['cbs']), repr(sorted(Hypers(g).snapshot().items()))) for g in groups}) > 1:
+            return Partition({f'group{i}': FunctionalOptimizer(list(g['cbs']), Hypers(g).snapshot(), dynamic)
+                              for i, g in enumerate(groups)},
+                             {n: f'group{i}' for i, g in enumerate(groups) for n in g['param_names']})
     fopt = FunctionalOptimizer(*_chain_and_hypers(factory_or_cbs, hypers), dynamic)
     if factory:
         fopt._regroup = lambda params: factory_or_cbs(params, **hypers)  # init checks how it groups the real params

@@ -645,11 +645,28 @@ def test_list_params_state_under_params():
 
 
 def test_muon_is_a_partition():
-    "cbopt.functional(cbopt.Muon) is a partition: Muon's matrices in one label, AdamW's params in the other."
+    """cbopt.functional(cbopt.Muon) is a partition: Muon's matrices in one label, AdamW's params in the other; so is
+    the functional form of a Muon optimizer (its params by name), and both step as it does."""
+    model = make_model(dtype=F64)
     fopt = cbopt.functional(cbopt.Muon, lr=1e-2)
+    params = detached(model)
+    state = fopt.init(params)
     assert isinstance(fopt, cbopt.functional.Partition)
-    state = fopt.init(detached(make_model()))
     assert set(state) == {'group0', 'group1'} and '0.weight' in state['group0'] and '0.bias' in state['group1']
+    opt = cbopt.Muon(model.named_parameters(), lr=1e-2)
+    of_opt = cbopt.functional(opt)
+    assert isinstance(of_opt, cbopt.functional.Partition) and of_opt.labels['0.bias'] == 'group1'
+    loss = loss_fn(model)
+    s2 = of_opt.init(params)
+    p1 = p2 = params
+    for i in range(3):
+        g = grad(loss)(p1, i)
+        p1, state = fopt.update(p1, g, state)
+        p2, s2 = of_opt.update(p2, g, s2)
+        for n, p in model.named_parameters(): p.grad = g[n].clone()
+        opt.step()
+    assert_close(p1, dict(model.named_parameters()), 1e-12)
+    assert_close(p2, p1, 0.)
 
 
 def test_partition_errors():
