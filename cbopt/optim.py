@@ -5,8 +5,10 @@ rounding), and the optimizer is a full cbopt `Optimizer` (named state, `backend`
 maps torch's arguments onto a cbopt chain and fastai's hyper names (`betas` are `mom`/`sqr_mom`, `weight_decay` is
 `wd`, RMSprop's `alpha` is `sqr_mom`...), in keywords and in group dicts alike. torch's implementation switches choose
 cbopt's backend: `foreach=True` is `'foreach'`, `foreach=False` is `'loop'`, `fused=True` is `'fused'`, neither is
-`'auto'`. `capturable` is accepted and changes nothing (the engine's step count is a Python number; on CPU torch's
-capturable path computes the same numbers); `differentiable=True` is refused (cbopt steps in place under `no_grad`).
+`'auto'`. `capturable=True` is accepted on the CPU, where it changes nothing (torch's capturable path computes the
+same numbers there), and refused for params on a GPU: cbopt's step counts and hypers are Python numbers, which a CUDA
+graph's replay would reuse unchanged (no eager cbopt step can be captured: `cbopt.engine.step`);
+`differentiable=True` is refused (cbopt steps in place under `no_grad`).
 `opt.state` shows each param's state as the torch class keeps it (`cbopt.state.torch_view`), `opt.param_groups` hold
 the torch class's entries (`TorchParamGroup`), and a group dict's algorithm flags choose that group's own chain.
 """
@@ -46,6 +48,19 @@ def _backend(cls: str, foreach: bool | None, fused: bool | None, differentiable:
                          "torch.no_grad(), so no autograd graph runs through the step (use torch.optim for that)")
     if fused and foreach: raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     return 'fused' if fused else 'foreach' if foreach else 'loop' if foreach is False else 'auto'
+
+
+def _refuse_capturable(cls: str, i: int, g: Mapping) -> None:
+    """`capturable=True` over params on a GPU is refused rather than ignored: torch's capturable optimizers keep every
+    count on the device so that a CUDA graph can replay the step, but cbopt's step counts and hypers are Python numbers,
+    which a replay would reuse unchanged (silently wrong bias corrections and schedules). On the CPU it changes nothing
+    (no graphs there), as in torch's numbers."""
+    if not g.get('capturable'): return
+    on_gpu = next((p for p in g['params'] if isinstance(p, torch.Tensor) and p.device.type not in ('cpu', 'meta')), None)
+    if on_gpu is not None:
+        raise ValueError(f"cbopt.optim.{cls}(capturable=True) (param group {i}): its params are on {on_gpu.device}, and "
+                         "cbopt's steps cannot be captured in a CUDA graph (their step counts and hypers are Python "
+                         "numbers, which a replay would reuse unchanged); drop capturable, or use torch.optim's class")
 
 
 def _torch_groups(cls: str, params: Params, names: Mapping) -> tuple[Params, list[dict]]:
@@ -132,6 +147,7 @@ class TorchOptimizer(Optimizer):
         self._recipe = recipe
         self.param_groups = [self._as_torch_group(i, g, own[i] if i < len(own) else {})
                              for i, g in enumerate(self.param_groups)]
+        for i, g in enumerate(self.param_groups): _refuse_capturable(type(self).__name__, i, g)
 
     def _as_torch_group(self, i: int, g: ParamGroup, own: Mapping) -> ParamGroup:
         """Group `i` (built by the recipe, by cbopt's names) as its torch class's groups hold it: `TorchParamGroup`,
@@ -161,6 +177,10 @@ class TorchOptimizer(Optimizer):
         if key := _chain_key(type(self), self._recipe, own, g): g['cbs'] = _chain_for(self._recipe, key)
         super().add_param_group(g)
         self.param_groups[-1] = self._as_torch_group(len(self.param_groups) - 1, self.param_groups[-1], own)
+        try: _refuse_capturable(type(self).__name__, len(self.param_groups) - 1, self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # (all or nothing: the group is not added)
+            raise
 
     def __repr__(self) -> str:
         "As torch's: the class and each group's hypers (cbopt's names; `momentum` is `mom`)."

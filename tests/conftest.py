@@ -27,6 +27,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+DEVICES = ['cpu', pytest.param('cuda', marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here (tools/gpu_check.sh runs these on a GPU)"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """The device a test's params live on: the CPU, and CUDA where a GPU exists (skipped with the reason otherwise), so
+    one test checks both. A CUDA run keeps torch's default: TF32 matmuls off, as the CPU computes."""
+    return torch.device(request.param)
+
+
 @pytest.fixture(scope='module')
 def one_rank_mesh():
     "A gloo process group of this process alone and its 1-D mesh: DTensors without spawning ranks."

@@ -212,7 +212,7 @@ def test_help_lists_every_flag():
     for cmd in (['-m', 'cbopt', 'bench', '--help'], ['-m', 'cbopt.cli.bench', '--help']):
         res = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
-        for flag in ('--out', '--steps', '--warmup', '--quick', '--threads', '--only', '--size', '--optimizers'):
+        for flag in ('--out', '--steps', '--warmup', '--quick', '--threads', '--only', '--size', '--optimizers', '--device'):
             assert flag in res.stdout, flag
         assert all(part in res.stdout for part in bench.PARTS)
 
@@ -240,3 +240,37 @@ def test_the_report_names_what_was_skipped(quick_run):
     assert 'skipped' not in results and 'Skipped:' not in report(results)
     results['skipped'] = {'fastai': 'fastai is not installed'}
     assert 'Skipped: fastai (fastai is not installed).' in report(results)
+
+
+def test_device_cuda_refuses_cpu_only_parts_and_a_missing_gpu(capsys):
+    "`--device cuda` names the parts it cannot run on a GPU, and says so when this torch sees no GPU."
+    with pytest.raises(SystemExit): bench.main(['--device', 'cuda', '--only', 'train,adam'])
+    assert "['train'] run on the CPU only" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit): bench.main(['--device', 'cuda', '--quick'])
+        assert 'sees no CUDA device' in capsys.readouterr().err
+
+
+def test_placed_params_follow_the_cpu_values():
+    "`placed` puts the bench's params (and grads) where asked, in the dtype asked, with the CPU run's values."
+    from cbopt.cli.bench.params import make_params, placed
+    shapes = [('a', (3, 4)), ('b', (5,))]
+    cpu = make_params(shapes)
+    with placed('meta', torch.bfloat16): moved = make_params(shapes)
+    assert [(p.device.type, p.dtype, p.grad.device.type) for _, p in moved] == [('meta', torch.bfloat16, 'meta')] * 2
+    with placed('cpu', torch.bfloat16): same = make_params(shapes)
+    for (_, a), (_, b) in zip(same, cpu):
+        torch.testing.assert_close(a, b.bfloat16(), rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, b.grad.bfloat16(), rtol=0, atol=0)
+
+
+def test_cuda_bench_times_fp32_and_bf16(tmp_path, device):
+    "On a GPU, the quick bench runs its GPU parts in fp32 and bf16, names the GPU, and every row computes the same."
+    if device.type == 'cpu': pytest.skip("on the CPU: quick_run checks the bench")
+    results = bench.main(['--device', 'cuda', '--quick', '--out', str(tmp_path)])
+    assert results['device'] == 'cuda' and results['machine']['gpu']
+    assert {'gpt2', 'gpt2_bf16', 'lion', 'lion_bf16'} <= set(results['cases'])
+    for key, case in results['cases'].items():
+        assert all('median_s' in r for n, r in case['results'].items() if n.startswith(('cbopt', 'torch'))), key
+        assert all(g <= case['tolerance'] for g in case['numerics_gap'].values()), (key, case['numerics_gap'])
+    assert all(v is not None for v in results['peak_mem_pct'].values())

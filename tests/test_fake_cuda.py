@@ -129,3 +129,36 @@ def test_in_backward_step_has_no_sync(make):
             assert all(p.grad is None for _, p in ps)
         assert not log.syncs, dict(log.where)
         assert not off_device(opt)
+
+
+@pytest.mark.parametrize('in_place', [False, True])
+def test_clipped_kernel_step_is_one_call_per_bucket(in_place):
+    """Clipping by the global norm before torch's kernel: on CUDA one kernel call per bucket, out of place too (one
+    scaled copy of the bucket's grads: the CPU's cache-sized runs would be a launch each), and no sync."""
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params(shapes=[(f'{i}', (300, 1000)) for i in range(8)])  # 2.4M elements: several CPU runs
+        opt = cbopt.GradientClippingOptimizer(cbopt.Adam(ps, 1e-3), cbopt.GradientClipping.NORM, max_gradient=0.01,
+                                              in_place=in_place)
+        syncs, where = steps(opt, ps, log)
+        assert not syncs, where
+        assert log.ops['aten._fused_adamw_.default'] == 1
+        assert log.ops.get('aten._foreach_mul.Tensor', 0) + log.ops.get('aten._foreach_mul.List', 0) == (not in_place)
+
+
+def test_capturable_on_cuda_is_refused_not_ignored(monkeypatch):
+    """`capturable=True` over CUDA params is refused (cbopt's counts are Python numbers: a CUDA graph's replay would
+    reuse them), in the constructor and in a group added later, which is then not added; so is a step under capture."""
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        with pytest.raises(ValueError, match=r"capturable=True.*cuda"):
+            cbopt.optim.Adam([p for _, p in ps], capturable=True)
+        opt = cbopt.optim.Adam([p for _, p in ps[:2]])
+        with pytest.raises(ValueError, match=r"param group 1"):
+            opt.add_param_group({'params': [p for _, p in ps[2:]], 'capturable': True})
+        assert len(opt.param_groups) == 1
+        cpu = cbopt.optim.Adam([torch.nn.Parameter(torch.zeros(2, device='cpu'))], capturable=True)  # (changes nothing)
+        set_grads(ps[:2])
+        monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+        monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: True)
+        with pytest.raises(RuntimeError, match='CUDA graph'): opt.step()
+        assert not opt.state and cpu.param_groups[0]['capturable']

@@ -1,7 +1,9 @@
 """The `auto` runner's policy, per bucket layout:
-1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW, L2 Adam, SGD, Adagrad on fp32/fp64):
-   the fastest there is;
-2. on an accelerator, foreach: one kernel launch per op for the bucket instead of one per param;
+1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW, L2 Adam, SGD, Adagrad on fp32/fp64,
+   and on CUDA bf16/fp16 too): the fastest there is;
+2. on an accelerator, foreach: one kernel launch per op for the bucket instead of one per param. An assumption, not
+   yet measured on a GPU (where a chain with per-param Python, Rprop's or Lamb's, launches several kernels per param,
+   the compiled chain may win): `python -m cbopt bench --device cuda` is to decide it (docs/guides/cuda.md);
 3. on CPU, foreach or loop, whichever was faster over `auto_trials` timed steps each of this bucket layout.
    Measured here (1 thread, README benchmark): on many small params foreach is ~1.9x faster (less Python per
    param); on GPT-2's large params the two are within ~10% either way, as both are memory-bound, and which wins

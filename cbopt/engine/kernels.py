@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from .._torch import fused_kernel
+from .._torch import foreach_op, fused_kernel
 from ..core.chain import chain_sig
 from ..core.hypers import is_model_entry
 from ..core.flags import FLAGS
@@ -129,20 +129,26 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     the hypers it takes as Python floats; `on_dtensors`: whether DTensor has a rule for the kernel (torch's Adam
     kernels; not its SGD and Adagrad ones). `call(params, grads, [buffers of each key], grad_scale=divisor)` calls the
     kernel once; it is called on the bucket whole, or, for a `grad_scale` not written into the grads (the grad
-    contract), on cache-sized runs of flat slices whose grads are scaled copies (`_scaled_slices`)."""
+    contract), with scaled copies of the grads: on the CPU on cache-sized runs of flat slices (`_scaled_slices`: each
+    run's copies are read from cache), on a GPU once, with the whole bucket's copies (one foreach multiply: a launch
+    per run would cost more than the copies' memory traffic)."""
     p0 = b.params[0]
     lr = hyper['lr']  # a number, or a tensor on the params' device (the kernels take either: a tensor lr is read in them)
     lr_ok = _is_float(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device == p0.device)
     if not lr_ok or not _is_float(*(hyper[k] for k in numbers)) or is_dtensor(p0) and not on_dtensors: return None
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in _KERNEL_DTYPES[p0.device.type]: return None
     if not b.kept(buffers, lambda: _laid_out_alike(b, buffers)): return None  # (the layout is the plan's)
-    copies = grad_scale is not None and not scale_in_place  # scaled copies of cache-sized runs of the grads
-    if copies and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
+    copies = grad_scale is not None and not scale_in_place  # scaled copies of the grads
+    runs = copies and p0.device.type == 'cpu'  # ... in cache-sized runs (`_scaled_slices`): a CPU rule
+    if runs and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)
 
     def run():
-        if not copies:
-            call(b.params, [p.grad for p in b.params], *([s[k] for s in b.states] for k in buffers), grad_scale=divisor)
+        state = lambda: ([s[k] for s in b.states] for k in buffers)
+        if not copies: call(b.params, [p.grad for p in b.params], *state(), grad_scale=divisor)
+        elif not runs:  # on a GPU: one scaled copy of the bucket's grads (one foreach call), then one kernel call
+            scale = grad_scale.to(device=p0.device, dtype=p0.dtype)
+            call(b.params, foreach_op('mul')([p.grad for p in b.params], scale), *state(), grad_scale=None)
         else:
             for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=None)
     return run

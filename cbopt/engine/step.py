@@ -59,6 +59,10 @@ def _off_dynamo() -> bool:
 
 
 def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # (free without CUDA: a flag read)
+        raise RuntimeError("cbopt's step cannot be captured in a CUDA graph: its step counts and hypers are Python "
+                           "numbers, which every replay of the graph would reuse unchanged (silently wrong steps); step "
+                           "it eagerly, or under torch.compile without CUDA graphs")
     for i, g in enumerate(opt.param_groups):  # schedule-free's rule: a group in eval mode must not step
         if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
             raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "

@@ -1,4 +1,6 @@
-"""`python -m cbopt bench`: time cbopt's backends against torch.optim and fastai, on CPU in fp32.
+"""`python -m cbopt bench`: time cbopt's backends against torch.optim and fastai, on CPU in fp32 (or, with
+`--device cuda`, on a GPU in fp32 and bf16: cases 1-5 and 7, timed with CUDA events, peak memory from torch's
+allocator).
 
 Timings on a busy machine drift, so every row is timed in the same process as its references, interleaved: round
 `r` times one step of every contender (in an order shuffled each round), and a ratio is the median of the per-round
@@ -44,15 +46,18 @@ import torch
 import cbopt
 from .contenders import (Entry, adam_contenders, catalogue, catalogue_contenders, entry_missing, select,
                          stream_contenders, train_contenders, train_step)
-from .harness import Progress, cpu_s, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes, status_kb
-from .params import Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
+from .harness import Progress, cpu_s, cuda_peak_bytes, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes, status_kb
+from .params import PLACEMENT, Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
 
-__all__ = ['PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case', 'step_peak_memory',
-           'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case']
+__all__ = ['PARTS', 'CUDA_PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case',
+           'step_peak_memory', 'cuda_peak_memory', 'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case']
 
 # the parts `--only` picks, in the order they run (adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7;
 # in_backward: 8; memory: 9; catalogue: 10; compile: 11)
 PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
+# the parts `--device cuda` runs (on the same contenders, params on the GPU): the others time CPU-only setups (the
+# demo's MLP, subprocesses' RSS, gloo ranks, the catalogue's and compile's CPU runs)
+CUDA_PARTS = ('adam', 'groups', 'lion', 'clip')
 
 
 # -- a case of contenders on one param set (cases 1, 2, 3, 7, 12), and the train step (case 6) -----------------------
@@ -68,8 +73,9 @@ def run_case(contenders: dict[str, Callable], shapes: Shapes, rounds: int, warmu
     del steps, ps
     gc.collect()
     gap = numerics_gap(contenders, ref, shapes)
-    return {'numel': sum(math.prod(s) for _, s in shapes),
-            'tensors': len(shapes), 'results': res, 'numerics_gap': gap, 'tolerance': tol}
+    return {'numel': sum(math.prod(s) for _, s in shapes), 'tensors': len(shapes), 'results': res,
+            'numerics_gap': gap, 'tolerance': tol, 'device': PLACEMENT['device'].type,
+            'dtype': str(PLACEMENT['dtype']).removeprefix('torch.')}
 
 
 TRAIN_ROWS = 6
@@ -146,6 +152,26 @@ def step_peak_memory(names: list[str], quick: bool, backends: list[str]) -> dict
         out[name] = (status_kb('VmHWM') - before) * 1024 / (4 * numel(ps)) * 100
         del ps, step
         gc.collect()
+    return out
+
+
+def cuda_peak_memory(names: list[str], quick: bool, backends: list[str], progress: Progress | None = None) -> dict:
+    """On a GPU (`--device cuda`): for each optimizer, the GPT-2 set, 2 steps (the state now exists), then the peak
+    bytes one step allocates beyond what was allocated before it (torch's allocator counts: `cuda_peak_bytes`), in %
+    of param bytes. In this process: the allocator's counters are per device, and every optimizer is freed before the
+    next."""
+    out = {}
+    for name in names:
+        ps = make_params(param_sets(quick)['gpt2'])
+        step = adam_contenders(backends)[name](ps)
+        try:
+            step(), step()
+            out[name] = cuda_peak_bytes(step) / sum(p.numel() * p.element_size() for _, p in ps) * 100
+        except Exception: out[name] = None  # (its timed row says why)
+        del ps, step
+        gc.collect()
+        torch.cuda.empty_cache()
+        if progress: progress.update()
     return out
 
 

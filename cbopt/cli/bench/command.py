@@ -13,16 +13,18 @@ from pathlib import Path
 import torch
 
 from . import cases as _cases
-from .cases import (PARTS, TRAIN_ROWS, catalogue_case, compile_case, in_backward_case, peak_memory, run_case,
-                    train_case)
+from .cases import (CUDA_PARTS, PARTS, TRAIN_ROWS, catalogue_case, compile_case, cuda_peak_memory, in_backward_case,
+                    peak_memory, run_case, train_case)
 from .contenders import (STREAM_BYTES, adam_contenders, available_backends, catalogue, clip_contenders, installed,
                          lion_contenders, stream_contenders, unclipped_contenders)
 from .harness import Progress
 from .memory import state_memory
-from .params import gpt2_at, param_sets
+from .params import gpt2_at, param_sets, placed
 from .report import machine, write
 
-__all__ = ['main', 'run']
+__all__ = ['main', 'run', 'BF16_TOL']
+
+BF16_TOL = 2e-3  # bf16 rows: a few ulps of bf16 at the params' scale (about 0.1): each side rounds its own way
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,15 +36,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--warmup', type=int, default=2, help='untimed steps before the rounds, the first included')
     parser.add_argument('--quick', action='store_true', help='tiny sizes: a smoke run of a few seconds')
     parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's own choice)")
-    parser.add_argument('--only', default=','.join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} "
+    parser.add_argument('--device', default='cpu', choices=('cpu', 'cuda'), help="where the params live: cuda runs "
+                        f"the parts {','.join(CUDA_PARTS)} on the GPU, in fp32 and bf16, timed with CUDA events")
+    parser.add_argument('--only', default=None, help=f"comma-separated parts to run, of {','.join(PARTS)} "
                         "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
     parser.add_argument('--size', type=float, default=1.0, help="catalogue and compile: the GPT-2 set's width and "
                         "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
     parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
                         '(default: all)')
     args = parser.parse_args(argv)
-    args.only = [p.strip() for p in args.only.split(',') if p.strip()]
+    parts = CUDA_PARTS if args.device == 'cuda' else PARTS
+    args.only = [p.strip() for p in (args.only or ','.join(parts)).split(',') if p.strip()]
     if unknown := [p for p in args.only if p not in PARTS]: parser.error(f"unknown part(s) {unknown}: expected {PARTS}")
+    if args.device == 'cuda':
+        if off := [p for p in args.only if p not in CUDA_PARTS]:
+            parser.error(f"part(s) {off} run on the CPU only: --device cuda runs {','.join(CUDA_PARTS)}")
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
     if args.optimizers:
         args.optimizers = [n.strip() for n in args.optimizers.split(',') if n.strip()]
         if unknown := sorted(set(args.optimizers) - {e.name for e in catalogue()}):
@@ -59,7 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    "The cases, peak memory, report, JSON and plot (full runs compile with an empty cache, quick ones with the usual)."
+    """The cases, peak memory, report, JSON and plot (full runs compile with an empty cache, quick ones with the usual),
+    with the params on `args.device` (default the CPU)."""
+    device = getattr(args, 'device', 'cpu')
+    with placed(device): return _run(args, device)
+
+
+def _run(args: argparse.Namespace, device: str) -> dict:
     rounds = args.steps or (3 if args.quick else 10)
     warmup = max(args.warmup, 1)
     torch.manual_seed(0)
@@ -74,7 +90,8 @@ def run(args: argparse.Namespace) -> dict:
                                + ('lion' in todo) * len(lion)
                                + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
                         + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
-                        + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds))
+                        + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds)
+                        + (device == 'cuda') * per * (('adam' in todo) * len(adam) + ('lion' in todo) * len(lion)))
     print(f"cbopt backends: {', '.join(backends)}", flush=True)
     cases, streams, bandwidth, mem, parts = {}, {}, {}, {}, {}
     if 'adam' in todo:
@@ -89,9 +106,17 @@ def run(args: argparse.Namespace) -> dict:
         progress.set('Adam, 64x64 grid, a group per tensor')
         cases['groups'] = run_case(installed(adam_contenders(backends, grouped=True))[0], sets['grid'], rounds,
                                    warmup, progress)
+    if 'adam' in todo and device == 'cuda':  # bf16 params: torch's CUDA kernels and cbopt's take them
+        progress.set('Adam, GPT-2 small, bf16')
+        with placed(device, torch.bfloat16):
+            cases['gpt2_bf16'] = run_case(adam, sets['gpt2'], rounds, warmup, progress, tol=BF16_TOL)
     if 'lion' in todo:
         progress.set('Lion, GPT-2 small')
         cases['lion'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=1e-5)
+        if device == 'cuda':
+            progress.set('Lion, GPT-2 small, bf16')
+            with placed(device, torch.bfloat16):
+                cases['lion_bf16'] = run_case(lion, sets['lion'], rounds, warmup, progress, ref='cbopt loop', tol=BF16_TOL)
     if 'train' in todo:
         progress.set("train step, demo's MLP")
         cases['train'] = train_case(args.quick, rounds, warmup, progress)
@@ -101,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
                                  unchecked=unclipped)
     if 'adam' in todo:
         progress.set('peak memory')
-        mem = peak_memory(list(adam), args.quick, backends, progress)
+        mem = (cuda_peak_memory if device == 'cuda' else peak_memory)(list(adam), args.quick, backends, progress)
     if 'in_backward' in todo:
         progress.set('InBackward')
         parts['in_backward'] = in_backward_case(args.quick, rounds, warmup, progress)
@@ -117,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         progress.set('first compile, fresh processes')
         parts['compile'] = dict(size=args.size, cases=compile_case(args.size, args.quick))
     progress.close()
-    results = dict(machine=machine(), quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
+    results = dict(machine=machine(device), device=device, quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},
                    peak_mem_pct=mem, cases=cases, **parts, **({'skipped': skipped} if skipped else {}))
     write(results, Path(args.out))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import cbopt
-from .params import TOKENS, Named, gpt2_model
+from .params import PLACEMENT, TOKENS, Named, gpt2_model
 
 __all__ = ['BACKENDS', 'ADAM', 'LION', 'CLIP_NORM', 'STREAM_BYTES', 'PACKAGES', 'needs', 'missing', 'installed',
            'available_backends', 'backend_kw', 'one_group_each', 'adam_contenders', 'fastai_adam', 'lion_contenders',
@@ -165,8 +165,8 @@ STREAM_BYTES = {'copy_': 8, 'add_': 12}
 
 
 def stream_contenders(n: int) -> dict[str, Callable[[], None]]:
-    "`dst.copy_(src)` and `dst.add_(src)` on fp32 tensors of `n` elements: the machine's streaming bandwidth."
-    src, dst = torch.randn(n), torch.zeros(n)
+    "`dst.copy_(src)` and `dst.add_(src)` on fp32 tensors of `n` elements: the machine's (or the GPU's) streaming bandwidth."
+    src, dst = torch.randn(n, device=PLACEMENT['device']), torch.zeros(n, device=PLACEMENT['device'])
     return {'copy_': lambda: dst.copy_(src), 'add_': lambda: dst.add_(src)}
 
 

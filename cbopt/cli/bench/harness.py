@@ -3,7 +3,8 @@
 Timings on a busy machine drift, so every row is timed in the same process as its references, interleaved (`measure`):
 round `r` times one step of every contender, in an order shuffled each round (seeded), and a ratio is the median of
 the per-round ratios (`paired`). Rows only compare if they compute the same thing (`numerics_gap`). Memory is read
-from the kernel's counters of this process (`status_kb`, with `pin_mmap_threshold` so that freed temporaries show)."""
+from the kernel's counters of this process (`status_kb`, with `pin_mmap_threshold` so that freed temporaries show),
+on a GPU from torch's allocator (`cuda_peak_bytes`)."""
 from __future__ import annotations
 
 import gc
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .params import Shapes, make_params
+from .params import PLACEMENT, Shapes, make_params
 
 __all__ = ['Progress', 'timed', 'measure', 'paired', 'numerics_gap', 'status_kb', 'pin_mmap_threshold', 'state_bytes',
-           'cpu_s']
+           'cuda_peak_bytes', 'cpu_s']
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------
@@ -51,10 +52,20 @@ class Progress:
 
 
 def timed(f: Callable) -> float:
-    "Seconds one call of `f` takes (a CPU step returns when its work is done)."
-    start = time.perf_counter()
+    """Seconds one call of `f` takes: a CPU step returns when its work is done; a CUDA step (params `placed` on a GPU)
+    only queues it, so it is timed by CUDA events around it, after `torch.cuda.synchronize()` has drained what came
+    before, and read once the end event is reached (the step's own host time, syncs included, is inside the events)."""
+    if PLACEMENT['device'].type != 'cuda':
+        start = time.perf_counter()
+        f()
+        return time.perf_counter() - start
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     f()
-    return time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def measure(steps: dict[str, Callable[[], None]], rounds: int, warmup: int, progress: Progress | None = None) -> dict:
@@ -125,6 +136,17 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     "The bytes of the per-param tensor state of `opt` (0-d counters are left out: they are not streamed)."
     return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                if isinstance(v, torch.Tensor) and v.ndim > 0)
+
+
+def cuda_peak_bytes(step: Callable[[], None]) -> int:
+    """The bytes one call of `step` allocates on the GPU beyond what was allocated before it, at its peak
+    (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`): a step's temporaries, on a GPU."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def cpu_s() -> float:

@@ -1,11 +1,14 @@
 """The bench's params: the sets of shapes each case times (GPT-2 small's, a grid of small tensors, tiny versions for
 quick runs and numerics checks), params made from them with fixed grads, and a GPT-2 model for the cases that run
-forward and backward (InBackward)."""
+forward and backward (InBackward); `placed` puts the params on a GPU or in bf16 (`--device cuda`)."""
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ['Shapes', 'Named', 'gpt2_shapes', 'grid_shapes', 'param_sets', 'make_params', 'numel', 'tiny_gpt2',
+__all__ = ['Shapes', 'Named', 'gpt2_shapes', 'grid_shapes', 'param_sets', 'PLACEMENT', 'placed', 'make_params', 'numel', 'tiny_gpt2',
            'gpt2_at', 'GPT2', 'gpt2_model', 'TOKENS']
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -36,13 +39,27 @@ def param_sets(quick: bool) -> dict[str, Shapes]:
     return {'gpt2': gpt2_shapes(), 'grid': grid_shapes(), 'lion': gpt2_shapes()}
 
 
+PLACEMENT: dict = {'device': torch.device('cpu'), 'dtype': torch.float32}  # where `make_params` puts the params
+
+
+@contextlib.contextmanager
+def placed(device: str | torch.device = 'cpu', dtype: torch.dtype = torch.float32) -> Iterator[None]:
+    """`make_params` (and the streams, and the timer: `harness.timed`) on `device` in `dtype` inside the block:
+    `--device cuda` runs the same cases on a GPU, and its bf16 rows in bfloat16."""
+    before = dict(PLACEMENT)
+    PLACEMENT.update(device=torch.device(device), dtype=dtype)
+    try: yield
+    finally: PLACEMENT.update(before)
+
+
 def make_params(shapes: Shapes, seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
-    "Named fp32 params with a fixed random grad each: the step needs no backward, and every step sees the same grads."
+    """Named params with a fixed random grad each, where `PLACEMENT` says (fp32 on the CPU unless `placed`): the step
+    needs no backward, and every step sees the same grads. The values are drawn on the CPU, the same on every device."""
     g = torch.Generator().manual_seed(seed)
     res = []
     for name, shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
-        p.grad = torch.randn(shape, generator=g) * 1e-3
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(**PLACEMENT))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(**PLACEMENT)
         res.append((name, p))
     return res
 

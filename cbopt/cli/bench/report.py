@@ -25,13 +25,15 @@ ADAM_BYTES, LION_BYTES = 4 * (2 + 1 + 2 + 2), 4 * (2 + 1 + 2)
 
 
 # -- the tables -------------------------------------------------------------------------------------------------------
-def machine() -> dict:
-    "What the timings ran on: the CPU, its cores, torch's threads, and the versions (fastai's None when not installed)."
+def machine(device: str = 'cpu') -> dict:
+    """What the timings ran on: the CPU, its cores, torch's threads, the GPU where `device` is 'cuda' (else None), and
+    the versions (fastai's None when not installed)."""
     cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
                 if l.startswith('model name')), platform.processor())
     try: import fastai  # lazily, and optional: only the fastai rows need fastai
     except ImportError: fastai = None
-    return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+    gpu = torch.cuda.get_device_name() if device == 'cuda' else None
+    return dict(cpu=cpu, gpu=gpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
                 fastai=fastai and fastai.__version__, cbopt=cbopt.__version__, python=platform.python_version(),
                 date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
 
@@ -50,7 +52,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def _rows(case: dict, per_param_bytes: int, header: list[str], cells) -> tuple[list[str], list[list[str]]]:
     "One table row per contender: name, step times, then `cells(name, result, GB/s)`; errors as short messages."
-    res, nbytes, rows = case['results'], case['numel'] * per_param_bytes, []
+    size = {'bfloat16': 2, 'float16': 2, 'float64': 8}.get(case.get('dtype'), 4)  # (the byte counts are fp32's)
+    res, nbytes, rows = case['results'], case['numel'] * per_param_bytes * size // 4, []
     for name, r in res.items():
         if 'error' in r:
             rows.append([name, r['error'][:60]] + [''] * (len(header) - 2))
@@ -120,7 +123,8 @@ def in_backward_rows(case: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-CASE_TITLES = {'gpt2': 'Adam on the GPT-2 set', 'grid': 'Adam on the grid of small tensors',
+CASE_TITLES = {'gpt2': 'Adam on the GPT-2 set', 'gpt2_bf16': 'Adam on the GPT-2 set, bf16',
+               'lion_bf16': 'Lion (cbopt callbacks only) on the GPT-2 set, bf16', 'grid': 'Adam on the grid of small tensors',
                'groups': 'Adam on the grid, one param group per tensor',
                'lion': 'Lion (cbopt callbacks only) on the GPT-2 set',
                'train': "A train step on the demo's MLP (forward, grad, Adam update)"}
@@ -130,14 +134,15 @@ def report(results: dict) -> str:
     "The tables of a run, as markdown."
     m, cases, streams = results['machine'], results['cases'], results['bandwidth_GBps']
     bw = max((v for v in streams.values() if v), default=None)
+    where = f"GPU {m['gpu']} (CUDA events; fp32 and bf16)" if m.get('gpu') else 'fp32'
     out = [f"Machine: {m['cpu']}, {m['cores']} cores (torch threads: {m['torch_threads']}), torch {m['torch']}, "
-           f"fastai {m['fastai'] or 'not installed'}, Python {m['python']}; {m['date']}. fp32, median of "
+           f"fastai {m['fastai'] or 'not installed'}, Python {m['python']}; {m['date']}. {where}, median of "
            f"{results['rounds']} interleaved steps." + (" Bandwidth (`% of bw` is of the larger): " +
                         ', '.join(f"`{k}` {fmt(v, '.1f')} GB/s" for k, v in streams.items()) + '.' if streams else '')]
     if results.get('skipped'):  # references whose package is not installed (`contenders.installed`)
         out.append('Skipped: ' + '; '.join(f'{name} ({why})' for name, why in results['skipped'].items()) + '.')
     for key, case in cases.items():
-        header, rows = (lion_rows(case, bw) if key == 'lion' else train_rows(case) if key == 'train' else
+        header, rows = (lion_rows(case, bw) if key.startswith('lion') else train_rows(case) if key == 'train' else
                         adam_rows(case, bw, results['peak_mem_pct'] if key == 'gpt2' else {}))
         gaps = {n: g for n, g in case['numerics_gap'].items() if g > case['tolerance']}
         note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
@@ -245,7 +250,8 @@ def plot(results: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set(title='Adam, GPT-2 set: peak memory a step adds', xlabel='% of param bytes')
     m = results['machine']
-    fig.suptitle(f"cbopt bench{' (quick: tiny sizes)' if results['quick'] else ''}: {m['cpu']}, {m['cores']} cores, "
+    fig.suptitle(f"cbopt bench{' (quick: tiny sizes)' if results['quick'] else ''}: "
+                 f"{'GPU ' + m['gpu'] + ', ' if m.get('gpu') else ''}{m['cpu']}, {m['cores']} cores, "
                  f"torch {m['torch']}, torch threads: {m['torch_threads']}, fp32 (blue: cbopt)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
