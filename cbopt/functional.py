@@ -592,7 +592,7 @@ def _chain_and_hypers(factory_or_cbs: Any, hypers: Mapping) -> tuple[list, dict]
         opt = factory_or_cbs
     elif isinstance(factory_or_cbs, (list, tuple)): opt = Optimizer(one, list(factory_or_cbs), **hypers)
     elif callable(factory_or_cbs):
-        if declared_state(factory_or_cbs) is not None:
+        if not isinstance(factory_or_cbs, type) and declared_state(factory_or_cbs) is not None:
             raise TypeError(f"functional({cb_name(factory_or_cbs)}): a callback, not a factory: give a chain as a list, "
                             f"[{cb_name(factory_or_cbs)}]")
         opt = factory_or_cbs(one, **hypers)
@@ -646,7 +646,7 @@ def functional(factory_or_cbs: Callable | Iterable[Callable] | Optimizer, dynami
     ```
     """
     factory = callable(factory_or_cbs) and not isinstance(factory_or_cbs, (Optimizer, list, tuple)) \
-        and declared_state(factory_or_cbs) is None
+        and (isinstance(factory_or_cbs, type) or declared_state(factory_or_cbs) is None)  # (a class: cbopt.optim's)
     if factory and _splits(factory_or_cbs, hypers): return _FactoryPartition(factory_or_cbs, hypers, dynamic)
     if isinstance(factory_or_cbs, Optimizer) and not hypers and len(factory_or_cbs.param_groups) > 1:
         groups = factory_or_cbs.param_groups

@@ -681,3 +681,18 @@ def test_partition_errors():
     p = cbopt.functional.partition({'a': adam}, lambda n, p: 'a')
     with pytest.raises(TypeError, match="did you mean 'lr'"):
         p.update(params, params, p.init(params), lrr=0.1)
+
+
+def test_functional_of_a_drop_in_class():
+    "A class of cbopt.optim (torch's signature) is a factory too: functional(cbopt.optim.SGD, ...) steps as torch's SGD."
+    model = make_model(dtype=F64)
+    ref = copy.deepcopy(model)
+    fopt, loss, params = cbopt.functional(cbopt.optim.SGD, lr=0.1, momentum=0.9, nesterov=True), loss_fn(model), detached(model)
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    state = fopt.init(params)
+    for i in range(4):
+        params, state = fopt.update(params, grad(loss)(params, i), state)
+        topt.zero_grad()
+        loss(dict(ref.named_parameters()), i).backward()
+        topt.step()
+    assert_close(params, dict(ref.named_parameters()), 1e-12)

@@ -113,14 +113,20 @@ def test_adagrad_agrees_without_eps(ox):
 
 def test_rmsprop_agrees_with_eps_outside(ox):
     """cbopt.RMSProp is optax.rmsprop with `eps_in_sqrt=False` (torch's placement); optax's default puts eps inside
-    the root: a difference. With momentum, cbopt's (fastai's) averages the grads before dividing them, optax (and
-    torch) the divided updates: another."""
+    the root: a difference. With momentum (and centered), torch's RMSprop (`cbopt.optim.RMSprop`, a class given to
+    `functional`) is optax's: both average the divided updates, where fastai's (`cbopt.RMSProp`) averages the grads
+    before dividing them by the current root: another difference."""
     ours = run_cbopt(cbopt.functional(cbopt.RMSProp, lr=1e-2, sqr_mom=0.9, eps=1e-3), grads())[0]
     assert_agree(ours, run_optax(ox, ox.optax.rmsprop(1e-2, decay=0.9, eps=1e-3, eps_in_sqrt=False), grads())[0])
     assert rel_err(ours, run_optax(ox, ox.optax.rmsprop(1e-2, decay=0.9, eps=1e-3), grads())[0]) > 1e-6
-    mom = run_cbopt(cbopt.functional(cbopt.RMSProp, lr=1e-2, sqr_mom=0.9, eps=1e-3, mom=0.9), grads())[0]
-    assert rel_err(mom, run_optax(ox, ox.optax.rmsprop(1e-2, decay=0.9, eps=1e-3, eps_in_sqrt=False, momentum=0.9),
-                                  grads())[0]) > 1e-3
+    for centered in (False, True):
+        theirs = run_optax(ox, ox.optax.rmsprop(1e-2, decay=0.9, eps=1e-3, eps_in_sqrt=False, momentum=0.9,
+                                                centered=centered), grads())[0]
+        torchs = cbopt.functional(cbopt.optim.RMSprop, lr=1e-2, alpha=0.9, eps=1e-3, momentum=0.9, centered=centered)
+        assert_agree(run_cbopt(torchs, grads())[0], theirs)
+    fastais = run_cbopt(cbopt.functional(cbopt.RMSProp, lr=1e-2, sqr_mom=0.9, eps=1e-3, mom=0.9), grads())[0]
+    assert rel_err(fastais, run_optax(ox, ox.optax.rmsprop(1e-2, decay=0.9, eps=1e-3, eps_in_sqrt=False, momentum=0.9),
+                                      grads())[0]) > 1e-3
 
 
 # -- the transforms -----------------------------------------------------------------------------------------------------
