@@ -28,6 +28,7 @@ old params and state, so it batches and compiles.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,11 @@ import torch
 from ._torch import data_getter, tree_get, tree_leaves, tree_paths
 from .callbacks.whole_model import PURE
 from .core.chain import (cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, model_key,
-                         split_chain, transient_keys, unwrap)
+                         param_chain, split_chain, transient_keys, unwrap)
+from .core.runtime import param_states
+from .engine.buckets import Bucket, as_real
+from .engine.dispatch import check_grads
+from .engine.model_stage import model_plan
 from .core.spec import spec
 from .engine.scalars import ScalarArgsAsTensors
 from .engine.foreach import run_param
@@ -48,7 +53,8 @@ from .core.hypers import Hypers, check_hyper
 from .optimizer import STANDARD_HYPERS, Optimizer, _check_read
 from .core.initial import chain_initial_state
 
-__all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPERS', 'PARAMS', 'partition', 'Partition']
+__all__ = ['functional', 'FunctionalOptimizer', 'FunctionalError', 'Slot', 'HYPERS', 'PARAMS', 'partition', 'Partition',
+           'differentiable_step']
 
 HYPERS = 'hypers'
 """The functional state's entry for the dynamic hypers (`state[HYPERS]['lr']`), so no param may have this name."""
@@ -118,6 +124,67 @@ def _records(tree: Any) -> bool:
     torch.compile, AOTAutograd makes them functional itself."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled(): return False
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(tree))
+
+
+def _run_copies(cbs: list, transient: frozenset, params: list, grads: list, states: list, hyper: Mapping,
+               differentiable: bool) -> tuple[list, list]:
+    """The chain on a copy of each param, its grad and its state (callbacks write in place, into the copies): the new
+    params and state dicts, the inputs unchanged. `differentiable`: run under `torch.func.functionalize` (see
+    `_FunctionalMode`). What `update` and the Optimizer's differentiable step (`differentiable_step`) both run."""
+    new_params, new_states = [], []
+    with _FunctionalMode(cbs, differentiable):
+        for p, g, st in zip(params, grads, states):
+            slot = Slot(p.clone(), g.clone())
+            st = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            run_param(cbs, slot, st, hyper, transient)
+            new_params.append(slot.data)
+            new_states.append(st)
+    return new_params, new_states
+
+
+def differentiable_step(opt: Optimizer, closure: Callable | None = None, loss: Any = None) -> None:
+    """`opt.step()` recorded by autograd: torch.optim's `differentiable=True` (cbopt.optim's classes run their step
+    with this). Each group's chain runs as `update` runs it, out of place on copies under functionalize
+    (`_run_copies`), with grad mode on; then each param and state tensor takes its new value in place (`copy_`,
+    recorded), so the tensors the user holds are the same objects, now with the step in their history:
+    `torch.autograd.grad` of a loss after the step reaches the params, grads, state and tensor hypers (a tensor lr,
+    betas) before it. Python numbers (the step count) stay numbers. All or nothing: every group is computed, and
+    every tensor to be written checked, before any is written; a param or state tensor that is a leaf requiring
+    grad cannot be written in place under autograd (torch's rule and words: step a clone of it, as torch's
+    differentiable optimizers want)."""
+    plan = model_plan(opt.param_groups)
+    if plan[0] or plan[1]:
+        raise NotImplementedError(f"a differentiable step of a chain with whole-model callbacks "
+                                  f"({', '.join(cb_name(cb) for cb, _ in [*plan[0], *plan[1]])}) is not supported")
+    check_grads(opt)
+    states = param_states(opt)
+    writes = []  # (param name, 'param' or state key, tensor written in place or state dict, new value)
+    with torch.enable_grad(), contextlib.ExitStack() as views:
+        for g in opt.param_groups:
+            named = [(n, p) for n, p in zip(g['param_names'], g['params']) if p.grad is not None]
+            if not named: continue
+            hyper, cbs, transient = Hypers(g).snapshot(), param_chain(g['cbs']), transient_keys(g['cbs'])
+            b = views.enter_context(as_real(Bucket(g, [p for _, p in named], [states[p] for _, p in named])))
+            run = lambda params, grads, sts, hyper: _run_copies(cbs, transient, params, grads, sts, hyper, True)
+            new_params, new_states = torch.func.functionalize(run)(b.params, [p.grad for p in b.params], b.states, hyper)
+            for (name, _), p, st, new_p, new_st in zip(named, b.params, b.states, new_params, new_states):
+                writes.append((name, 'param', p, new_p))
+                for k, v in new_st.items():
+                    old = st.get(k)
+                    same = isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape \
+                        and old.dtype == v.dtype and old.device == v.device
+                    writes.append((name, k, old, v) if same else (name, k, st, v))
+                writes += [(name, k, st, None) for k in st if k not in new_st]  # (transient entries: dropped)
+        for name, what, target, _ in writes:
+            if isinstance(target, torch.Tensor) and target.is_leaf and target.requires_grad:
+                raise RuntimeError(f"a leaf Variable that requires grad is being used in an in-place operation: "
+                                   f"{'param' if what == 'param' else f'state {what!r} of param'} {name!r} is one (a "
+                                   "differentiable step writes into it: give the optimizer a clone, p.clone())")
+        for name, what, target, v in writes:
+            if isinstance(target, torch.Tensor): target.copy_(v)
+            elif v is None: target.pop(what, None)
+            else: target[what] = v
+    opt.step_stats = {'lr': [Hypers(g).snapshot().get('lr') for g in opt.param_groups], 'skipped': False}
 
 
 # -- params as pytrees ----------------------------------------------------------------------------------------------
@@ -337,19 +404,20 @@ class FunctionalOptimizer:
         skip: Any = False
         if self.model_cbs and stepped:
             stepped, states, model, skip = self._model_stage(stepped, states, model, hyper)
+        names = [n for n in params if n in stepped]
+        copies = _run_copies(self.chain, self.transient, [params[n] for n in names], [stepped[n] for n in names],
+                             [states[n] for n in names], hyper, differentiable)
+        ran = dict(zip(names, zip(*copies)))
         new_params, new_state = {}, {}
-        with _FunctionalMode(self.cbs, differentiable):
-            for name, p in params.items():
-                if name not in stepped:
-                    new_params[name], new_state[name] = p, states[name]
-                    continue
-                slot = Slot(p.clone(), stepped[name].clone())
-                st = {k: v.clone() for k, v in states[name].items()}
-                run_param(self.chain, slot, st, hyper, self.transient)
-                new_params[name] = _where(_not(skip), slot.data, p)
-                new_state[name] = {k: states[name][k] if k in self._model_keys else
-                                   _where(_not(skip), _tensor(v, slot.data), states[name][k]) if k in states[name] else
-                                   _tensor(v, slot.data) for k, v in st.items()}
+        for name, p in params.items():
+            if name not in ran:
+                new_params[name], new_state[name] = p, states[name]
+                continue
+            q, st = ran[name]
+            new_params[name] = _where(_not(skip), q, p)
+            new_state[name] = {k: states[name][k] if k in self._model_keys else
+                               _where(_not(skip), _tensor(v, q), states[name][k]) if k in states[name] else
+                               _tensor(v, q) for k, v in st.items()}
         return new_params, new_state, dict(model)
 
     # -- converters ----------------------------------------------------------------------------------------------

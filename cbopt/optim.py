@@ -7,13 +7,18 @@ maps torch's arguments onto a cbopt chain and fastai's hyper names (`betas` are 
 cbopt's backend: `foreach=True` is `'foreach'`, `foreach=False` is `'loop'`, `fused=True` is `'fused'`, neither is
 `'auto'`. `capturable=True` is accepted on the CPU, where it changes nothing (torch's capturable path computes the
 same numbers there), and refused for params on a GPU: cbopt's step counts and hypers are Python numbers, which a CUDA
-graph's replay would reuse unchanged (no eager cbopt step can be captured: `cbopt.engine.step`);
-`differentiable=True` is refused (cbopt steps in place under `no_grad`).
+graph's replay would reuse unchanged (no eager cbopt step can be captured: `cbopt.engine.step`).
+`differentiable=True` records the step in autograd's graph, as torch's differentiable optimizers do
+(`cbopt.functional.differentiable_step`: the chain run as `cbopt.functional`'s update, out of place, each param and
+state tensor then updated in place in the graph), so `torch.autograd.grad` of a loss after the step reaches the
+params, grads, state and tensor hypers before it; params may then be non-leaf tensors, and torch's refusals hold
+(`fused` with it; `foreach=True` with it, at the step, but in SGD).
 `opt.state` shows each param's state as the torch class keeps it (`cbopt.state.torch_view`), `opt.param_groups` hold
 the torch class's entries (`TorchParamGroup`), and a group dict's algorithm flags choose that group's own chain.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +29,8 @@ from .recipes import fastai as _fastai
 from .recipes import torch_optim as _torch
 from .callbacks.fastai import average_sqr_grad, step_stat
 from .core.chain import chain_name
+from .core.params import non_leaf_params
+from .functional import differentiable_step
 from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
                           from_torch_names, model_entries, same_value)
 from .optimizer import Optimizer
@@ -42,11 +49,12 @@ _RECIPE_FLAGS = {'decoupled_weight_decay': 'decouple_wd'}  # a recipe's keyword 
 
 
 def _backend(cls: str, foreach: bool | None, fused: bool | None, differentiable: bool) -> str:
-    "cbopt's backend for torch's `foreach` / `fused`; `differentiable` is refused."
-    if differentiable:
-        raise ValueError(f"cbopt.optim.{cls}(differentiable=True) is not supported: cbopt steps params in place under "
-                         "torch.no_grad(), so no autograd graph runs through the step (use torch.optim for that)")
+    """cbopt's backend for torch's `foreach` / `fused`, refusing what torch refuses with its words. `differentiable`
+    runs the loop (torch's single-tensor code): its step is `cbopt.functional.differentiable_step`, whatever the
+    backend; `foreach=True` with it is kept, and the step refuses it as torch's does."""
+    if fused and differentiable: raise RuntimeError("`fused` does not support `differentiable`")
     if fused and foreach: raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable and not foreach: return 'loop'
     return 'fused' if fused else 'foreach' if foreach else 'loop' if foreach is False else 'auto'
 
 
@@ -102,6 +110,16 @@ def _chain_for(recipe: tuple, key: Mapping) -> list:
     return make([torch.zeros(2, 2, requires_grad=True)], **{**kw, **over}).param_groups[0]['cbs']
 
 
+def _differentiable_run(opt: TorchOptimizer, closure: Callable | None = None, loss: Any = None) -> None:
+    """The step of a `differentiable=True` optimizer (its `_run_step`): `cbopt.functional.differentiable_step`, after
+    refusing a group with `foreach=True`, as torch's foreach code refuses autograd (all but SGD's), in its words."""
+    if not opt.foreach_records:
+        for g in opt.param_groups:
+            if g.get('foreach') and g.get('differentiable') and any(p.grad is not None for p in g['params']):
+                raise AssertionError("_foreach ops don't support autograd")
+    differentiable_step(opt, closure, loss)
+
+
 class TorchOptimizer(Optimizer):
     """The base of `cbopt.optim`'s classes: a cbopt `Optimizer` built by a cbopt recipe from torch's arguments.
     `_build` adopts the optimizer the recipe returns, so the class is a thin layer: no math of its own. Its
@@ -110,6 +128,7 @@ class TorchOptimizer(Optimizer):
     torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
     chain_hypers: tuple = ()  # cbopt hypers whose being zero or not chooses the chain (SGD's `mom`, `dampening`)
     state_dict_format = 'torch'
+    foreach_records = False  # whether torch's foreach code of this class runs with differentiable=True (SGD's does)
 
     @property
     def state(self) -> TorchState:
@@ -142,9 +161,13 @@ class TorchOptimizer(Optimizer):
         recipe = (make, kw, {**flags, **(switches or {})})
         for g, o in zip(groups if own else (), own):  # flags (or momentum) choosing another algorithm: its own chain
             if key := _chain_key(type(self), recipe, o, g): g['cbs'] = _chain_for(recipe, key)
-        built = make(groups, **kw)
+        differentiable = bool((switches or {}).get('differentiable'))
+        with non_leaf_params() if differentiable else contextlib.nullcontext(): built = make(groups, **kw)
         self.__dict__.update(built.__dict__)
         self._recipe = recipe
+        if differentiable:  # torch's differentiable=True: the step is recorded by autograd
+            self.defaults['differentiable'] = True
+            self._run_step = _differentiable_run
         self.param_groups = [self._as_torch_group(i, g, own[i] if i < len(own) else {})
                              for i, g in enumerate(self.param_groups)]
         for i, g in enumerate(self.param_groups): _refuse_capturable(type(self).__name__, i, g)
@@ -175,7 +198,8 @@ class TorchOptimizer(Optimizer):
             return super().add_param_group(param_group)
         (g,), (own,) = _torch_groups(type(self).__name__, [param_group], self.torch_group_names)
         if key := _chain_key(type(self), self._recipe, own, g): g['cbs'] = _chain_for(self._recipe, key)
-        super().add_param_group(g)
+        with non_leaf_params() if self.defaults.get('differentiable') else contextlib.nullcontext():
+            super().add_param_group(g)
         self.param_groups[-1] = self._as_torch_group(len(self.param_groups) - 1, self.param_groups[-1], own)
         try: _refuse_capturable(type(self).__name__, len(self.param_groups) - 1, self.param_groups[-1])
         except ValueError:
@@ -195,6 +219,7 @@ class SGD(TorchOptimizer):
     "torch.optim.SGD: L2 `weight_decay` (as torch), momentum in state `grad_avg` (torch's `momentum_buffer`)."
     torch_group_names = dict(momentum='mom')
     chain_hypers = ('mom', 'dampening')  # (a group with momentum keeps a buffer, one without does not)
+    foreach_records = True
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float | torch.Tensor = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None) -> None:

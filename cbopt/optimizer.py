@@ -290,6 +290,10 @@ class Optimizer(torch.optim.Optimizer):
         return self.train(False)
 
     # -- stepping ------------------------------------------------------------------------------------------------
+    # what `step` runs after the closure: the engine; cbopt.optim's `differentiable=True` sets the recorded step
+    # (`cbopt.functional.differentiable_step`) on its instance, so no other step pays for a check
+    _run_step = staticmethod(engine.run_step)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns
@@ -297,7 +301,7 @@ class Optimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
-        engine.run_step(self, closure, loss)
+        self._run_step(self, closure, loss)
         return loss
 
     @property

@@ -24,7 +24,6 @@ N_STEPS = 5
 DIFFERENCES = {
     ('*', 'duplicate params'): "torch warns on a param listed twice in a group and drops the copy; cbopt refuses it "
                                "(ValueError naming the param): a step is never silently different from what was listed",
-    ('*', 'differentiable'): "refused with a ValueError: cbopt steps in place under no_grad",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "Adafactor and Muon refuse them at construction (TypeError naming the param), torch's at "
                              "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them",
@@ -424,15 +423,14 @@ def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):
     assert len(calls) == (N_STEPS + 2 - 1 if 'fused' in impl else 0)  # (the first step, creating the state, is eager)
 
 
-def test_differentiable_and_both_switches_are_refused():
-    ps = _model().parameters()
-    with pytest.raises(ValueError, match=r"differentiable=True\) is not supported"): cbopt.optim.Adam(ps, differentiable=True)
+def test_both_switches_are_refused():
+    "(differentiable=True and its refusals: tests/test_differentiable.py)"
     with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
         cbopt.optim.SGD(_model().parameters(), foreach=True, fused=True)
 
 
 def test_group_flags_and_torch_names():
-    "A torch group dict with torch's names runs as torch's; a group's differentiable=True is refused as the optimizer's."
+    "A torch group dict with torch's names runs as torch's."
     m, ref = _model(), _model()
     groups = lambda mod: [{'params': [mod[0].weight], 'alpha': 0.9, 'weight_decay': 0.1, 'centered': True},
                           {'params': [p for p in mod.parameters() if p is not mod[0].weight]}]
@@ -441,8 +439,6 @@ def test_group_flags_and_torch_names():
     _run(opt, m, N_STEPS)
     _run(torch_opt, ref, N_STEPS)
     assert_rel_close(m, ref, 2e-5)
-    with pytest.raises(ValueError, match=r"Adam \(param group 0\)\(differentiable=True\) is not supported"):
-        cbopt.optim.Adam([{'params': _model().parameters(), 'differentiable': True}])
 
 
 def test_muon_group_dicts_take_torchs_names():

@@ -112,7 +112,8 @@ asgd_step.state = dict(param_avg=zeros)
 asgd_step.torch_state = dict(ax='param_avg')
 # torch keeps the next step's eta and mu in its state: a torch state_dict gets them (`cbopt.state.torch_class_state_dict`)
 asgd_step.torch_extra_state = lambda lr, lambd, alpha, t0, step, **kw: dict(
-    zip(('eta', 'mu'), (float(v) for v in asgd_rates(lr, lambd, alpha, t0, step + 1))))
+    zip(('eta', 'mu'), (float(v.detach() if isinstance(v, torch.Tensor) else v)  # (a tensor lr may require grad)
+                        for v in asgd_rates(lr, lambd, alpha, t0, step + 1))))
 asgd_step.torch_names = dict(alpha='alpha')  # torch's ASGD's alpha is this power, not RMSprop's alpha (sqr_mom)
 
 

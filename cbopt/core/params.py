@@ -6,7 +6,9 @@ group dicts holding `params` (tensors) and `param_names` (FQNs), which is what n
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 from .hypers import ALIASES, HYPER_RULES, NOT_HYPERS, TORCH_NAMES, check_hyper, from_torch_names
 from .names import canonical_names
 
-__all__ = ['named_groups', 'check_params', 'is_group_dict', 'distinct_names', 'GROUP_SEP']
+__all__ = ['named_groups', 'check_params', 'is_group_dict', 'distinct_names', 'GROUP_SEP', 'non_leaf_params']
 
 # torch's own wording (torch/optim/optimizer.py), then why it matters here
 SET_MSG = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets will "
@@ -184,16 +186,31 @@ def distinct_names(groups: list[dict]) -> None:
             g['param_names'] = [f'{i}{GROUP_SEP}{n}' if n in shared else n for n in g['param_names']]
 
 
+_NON_LEAF_OK = contextvars.ContextVar('cbopt_non_leaf_params', default=False)
+
+
+@contextlib.contextmanager
+def non_leaf_params() -> Iterator[None]:
+    """While building (or adding a group to) a differentiable optimizer (cbopt.optim's `differentiable=True`), params
+    may be non-leaf tensors, as torch's differentiable optimizers take them: the step updates them in autograd's
+    graph. Elsewhere a non-leaf param is a slip (its updates would never reach the tensor it was computed from)."""
+    token = _NON_LEAF_OK.set(True)
+    try: yield
+    finally: _NON_LEAF_OK.reset(token)
+
+
 def check_params(groups: list[dict], known: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Raise a clear error naming the culprit for a non-float (or complex), non-leaf, duplicated or doubly named param, or a
-    bad hyper in a group dict (`groups` come from `named_groups`, which refuses anything but tensors)."""
+    """Raise a clear error naming the culprit for a non-float (or complex), non-leaf (but under `non_leaf_params`),
+    duplicated or doubly named param, or a bad hyper in a group dict (`groups` come from `named_groups`, which refuses
+    anything but tensors)."""
+    non_leaf_ok = _NON_LEAF_OK.get()
     seen_names = dict(known or {})
     seen_ids = {id(t): (n, None) for n, t in seen_names.items()}  # (name, group index here: None for `known`)
     for i, g in enumerate(groups):
         for name, t in zip(g['param_names'], g['params']):
             if not t.is_floating_point() and not t.is_complex():
                 raise TypeError(f"param {name!r} (group {i}) has dtype {t.dtype}: only floating-point (or complex) params can be optimized")
-            if not t.is_leaf and not t.retains_grad:
+            if not t.is_leaf and not t.retains_grad and not non_leaf_ok:
                 raise ValueError(f"param {name!r} (group {i}) is not a leaf tensor: optimize the tensor it was computed from")
             if id(t) in seen_ids:
                 other, j = seen_ids[id(t)]

@@ -66,7 +66,7 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
     return {'state': state, 'param_groups': groups}
 
 
-def _nonzero(v: Any) -> bool: return bool(float(v))
+def _nonzero(v: Any) -> bool: return bool(v != 0)  # (not float(v): a hyper may be a tensor that requires grad)
 
 
 def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
