@@ -51,6 +51,10 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
 - `torch.optim.lbfgs._strong_wolfe` (`strong_wolfe`; 1.2): torch's strong-Wolfe line search, which `lbfgs` reuses.
   Missing: `line_search_fn='strong_wolfe'` is refused with a clear error before the step changes anything; without
   a line search L-BFGS works as before.
+- `torch.distributed.checkpoint.state_dict._init_optim_state` (`in_dcp_init_step`; 2.2): DCP's helper that creates
+  an optimizer's state with a zero-grad, lr=0 `step()` (torchtitan's checkpoints go through it too); cbopt's `step`
+  recognises that caller by its name and module on the stack and only creates the state (`Optimizer.init_state`).
+  Renamed or gone: that step runs as a step (torch's optimizers' behaviour: the step count starts at 1).
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ from typing import Any
 
 import torch
 
-__all__ = ['warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
+__all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
            'compile_config', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
@@ -292,3 +296,17 @@ def strong_wolfe() -> Callable:
         raise ValueError(f"line_search_fn='strong_wolfe' needs torch.optim.lbfgs._strong_wolfe, which torch "
                          f"{torch.__version__} does not have: use line_search_fn=None") from None
     return _strong_wolfe
+
+
+_DCP_INIT = ('torch.distributed.checkpoint.state_dict', '_init_optim_state')
+
+
+def in_dcp_init_step(depth: int = 12) -> bool:
+    """Whether the current call comes (within `depth` frames) from torch DCP's `_init_optim_state`, which steps an
+    optimizer that has no state with zero grads at lr=0 to create its state (see the module's docstring)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None: return False
+        if frame.f_code.co_name == _DCP_INIT[1] and frame.f_globals.get('__name__') == _DCP_INIT[0]: return True
+        frame = frame.f_back
+    return False

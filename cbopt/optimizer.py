@@ -11,11 +11,12 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
+from ._torch import in_dcp_init_step
 from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_reads, check_chain,
                          flat_model_keys, param_chain)
 from .engine import Backend, as_backend
-from .core.hypers import (ALIASES, NOT_HYPERS, Hypers, ParamGroup, check_hyper, expand_hyper, from_torch_names, is_model_entry,
-                     model_entries)
+from .core.hypers import (ALIASES, NOT_HYPERS, TORCH_HYPER_NAMES, Hypers, ParamGroup, check_hyper, expand_hyper,
+                          from_torch_names, is_known_hyper, is_model_entry, model_entries)
 from .core.params import check_params, distinct_names, is_group_dict, named_groups
 from .core.flags import FLAGS, split_flags
 from .core.initial import initial_state
@@ -42,12 +43,18 @@ def _as_chain(cbs: Callable | Iterable[Callable]) -> list:
 STANDARD_HYPERS = ('lr', 'mom', 'sqr_mom', 'wd', 'eps')
 
 
-def _check_read(names: Iterable[str], chains: Iterable, where: str) -> None:
-    "Refuse hypers that no callback reads (and are not fastai's standard ones): they would be silently ignored."
+def _check_read(names: Iterable[str], chains: Iterable, where: str, carry: bool = False) -> None:
+    """Refuse hypers that no callback reads (and are not fastai's standard ones): they would be silently ignored.
+    `carry` (a group dict's keys): a key no callback reads is a framework's own entry (timm's `lr_scale`, `use_fallback`),
+    kept in the group, saved and loaded untouched as torch keeps it, unless it looks like a hyper: a name cbopt or
+    torch.optim knows as one (`amsgrad`: it would change the math elsewhere, not here), or one close to a name the
+    chain reads (`wdd`, `weight_decy`: a misspelling). The optimizer's own keywords are always checked."""
     reads = set(STANDARD_HYPERS).union(*(chain_reads(c) for c in chains))
     for k in names:
         if k in reads or k in NOT_HYPERS or k in ALIASES or is_model_entry(k): continue
-        close = difflib.get_close_matches(k, sorted(reads), n=2)
+        torch_names = {t for t, c in TORCH_HYPER_NAMES.items() if reads.issuperset(c if isinstance(c, tuple) else (c,))}
+        close = difflib.get_close_matches(k, sorted(reads | torch_names), n=2)
+        if carry and not close and not is_known_hyper(k): continue
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"the callbacks read {sorted(reads)}"
         raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 
@@ -99,7 +106,7 @@ class Optimizer(torch.optim.Optimizer):
         groups = [self._with_chain(g) for g in groups]
         _check_read(defaults, [self.cbs, *(g['cbs'] for g in groups)], '')
         for i, g in enumerate(groups):  # a group dict's own hypers, against its own chain
-            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {i})')
+            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {i})', carry=True)
             for k, v in chain_defaults(g['cbs']).items():
                 if k not in g: check_hyper(k, v, i)
         for k, v in defaults.items():  # group dicts win over defaults; slices and lists spread over the groups
@@ -146,7 +153,8 @@ class Optimizer(torch.optim.Optimizer):
         g = self._with_chain(groups[0])
         _check_complex(g, len(self.param_groups))
         if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
-            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})')
+            _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})',
+                        carry=True)
         fill = self.defaults
         if g['cbs'] is not self.cbs:  # its own chain: its defaults, and only the hypers the user gave the optimizer
             fill = {**chain_defaults(g['cbs']), **{k: v for k, v in self.defaults.items() if k in self._given}}
@@ -294,23 +302,53 @@ class Optimizer(torch.optim.Optimizer):
     # (`cbopt.functional.differentiable_step`) on its instance, so no other step pays for a check
     _run_step = staticmethod(engine.run_step)
 
+    def _check_groups(self) -> None:
+        """Refuse groups whose params were replaced by another number of tensors (`group['params'] = [flat]`, as
+        DeepSpeed-style flattening does): their names, the checkpoint's keys, would name other params. Run by `step`,
+        `state_dict` and `load_state_dict`; a one-for-one swap (accelerate's, XLA's) keeps the names and passes."""
+        for i, g in enumerate(self.param_groups):
+            if 'param_names' not in g:
+                raise ValueError(f"param group {i}'s params were replaced by {len(g['params'])} other tensors "
+                                 f"(group['params'] = ...): the names its params had would name other params in a "
+                                 f"checkpoint. Swap params one for one, or build the optimizer over the new params "
+                                 f"(e.g. cbopt.optim.AdamW([flat]) for a flattened buffer)")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns
         the loss: called once here, and again by whole-model callbacks that re-evaluate (`lbfgs`)."""
+        self._check_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
+        elif self._is_init_step():
+            self.init_state()
+            return None
         self._run_step(self, closure, loss)
         return loss
+
+    def _is_init_step(self) -> bool:
+        """Whether this step is torch DCP's way to create the state of an optimizer that has none (its
+        `_init_optim_state`, also torchtitan's, before loading or saving: no state yet, every lr 0, every grad zero,
+        called from there). Such a step only creates the state, as `init_state()` does: it does not count as a step (a
+        checkpoint of a fresh optimizer then resumes as the fresh one would, where torch's AdamW counts it), it moves
+        no param (Composer's decay at lr 0 would) and it runs in eval mode too (schedule-free's refuses to step there).
+        A user's own step with lr 0 is a step."""
+        if any(split_flags(s)[0] for s in param_states(self).values()): return False
+        if not all(g.get('lr', 0) == 0 for g in self.param_groups): return False
+        return in_dcp_init_step()
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """`torch.amp.GradScaler` asks this: when True it leaves the grads scaled and sets `opt.grad_scale` and
         `opt.found_inf` for the step, which then divides the grads by the scale inside torch's fused kernel (no pass of
-        its own) and changes nothing when an inf was found, as torch's fused optimizers do. Claimed where such a kernel
-        may run (backend `fused` or `auto`, a chain with one); the step unscales the grads no kernel takes."""
-        return self.backend in ('fused', 'auto') and any(engine.has_kernel(param_chain(g['cbs'])) for g in self.param_groups)
+        its own) and changes nothing when an inf was found, as torch's fused optimizers do. Claimed with backend
+        `fused` (torch's `fused=True`) for a chain with such a kernel; the step unscales the grads no kernel takes.
+        Not with `auto`, cbopt's default, which thus behaves as torch's default optimizers do: the scaler unscales and
+        skips the step itself, so trainers that detect a skipped step by `step` not being called (accelerate's
+        `step_was_skipped`, and so the HF Trainer's scheduler) see it, and Lightning's `gradient_clip_val` works under
+        mixed precision (it refuses an optimizer that unscales inside its step, as it refuses torch's fused ones)."""
+        return self.backend == 'fused' and any(engine.has_kernel(param_chain(g['cbs'])) for g in self.param_groups)
 
     @property
     def last_total_grad_norm(self) -> torch.Tensor | None:
@@ -333,6 +371,7 @@ class Optimizer(torch.optim.Optimizer):
             fmt = self.torch_class
         if fmt != 'cbopt' and not (isinstance(fmt, type) and issubclass(fmt, torch.optim.Optimizer)):
             raise ValueError(f"state_dict(format={fmt!r}): expected 'cbopt', 'torch' or a torch.optim class")
+        self._check_groups()
         _run_hooks(self._optimizer_state_dict_pre_hooks, self)
         sd = torch_state_dict(self) if fmt == 'cbopt' else torch_class_state_dict(self, fmt)
         # entries of `self.state` that are no param's (a pre-hook's `opt.state['x'] = ...`) are saved as they are, as
@@ -355,6 +394,7 @@ class Optimizer(torch.optim.Optimizer):
         """Check `state_dict` as `load_state_dict` does and build what it loads, changing nothing; returns the commit
         that loads it (nothing in it can fail, the post-hooks aside). For loads that must be all or nothing across several optimizers (a ZeRO
         rank's part: `cbopt.integrations.zero`): check every part, then commit each."""
+        self._check_groups()
         if isinstance(state_dict, dict): state_dict = state_dict.copy()  # shallow, as torch's: a hook may rebind its keys
         state_dict = _run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         new_state, new_hypers = prepare_load(self, state_dict)
@@ -368,6 +408,20 @@ class Optimizer(torch.optim.Optimizer):
             engine.forget_state(self)
             _run_hooks(self._optimizer_load_state_dict_post_hooks, self)
         return commit
+
+    # -- wrappers that are dynamic subclasses (Lightning's LightningOptimizer) ----------------------------------------
+    def __setattr__(self, k: str, v: Any) -> None:
+        """Writes to an attribute of the optimizer made through a wrapper that is a dynamic subclass of its class and
+        holds it as `_optimizer` (Lightning's `LightningOptimizer`, what `self.optimizers()` returns; its reads
+        already fall through to the optimizer) reach the optimizer: `self.optimizers().backend = 'loop'` and
+        `.freeze_to(1)` (which writes `frozen_idx`) would otherwise land on the wrapper and change nothing. The
+        wrapper's own attributes (those the optimizer does not have) stay the wrapper's."""
+        real = self.__dict__.get('_optimizer')
+        if (isinstance(real, Optimizer) and real is not self and not k.startswith('__')
+                and (k in real.__dict__ or hasattr(type(real), k))):
+            setattr(real, k, v)
+            return
+        super().__setattr__(k, v)
 
     # -- pickling (torch's __getstate__ keeps only defaults, state and param_groups) -------------------------------
     def __getstate__(self) -> dict:

@@ -17,6 +17,22 @@ import cbopt
 NO_COMPILE_FALLBACK = pytest.mark.filterwarnings('error:the callback chain could not be compiled')
 
 
+def import_torchvision() -> None:
+    """Import torchvision's Python package where its C ops cannot load (timm, Lightning and HF's Trainer import it).
+    PyPI's torchvision wheel is built against CUDA torch: beside the CPU torch this suite runs on, its C extension does
+    not load, and `torchvision._meta_registrations` (fake kernels for those C++ ops) raises at `import torchvision`
+    ('operator torchvision::nms does not exist'). The package is then imported without that one module; no test runs
+    a torchvision op. Nothing changes where torchvision imports, or is not installed."""
+    import sys, types
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError:
+        for k in [k for k in sys.modules if k == 'torchvision' or k.startswith('torchvision.')]: del sys.modules[k]
+        sys.modules['torchvision._meta_registrations'] = types.ModuleType('torchvision._meta_registrations')
+        import torchvision  # noqa: F401
+    except ImportError: pass
+
+
 @pytest.fixture
 def one_thread():
     """Run a test on one intra-op thread: these tensors are tiny, and CPU kernels that go parallel (torch's fused

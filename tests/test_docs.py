@@ -23,11 +23,13 @@ import pytest
 
 import cbopt
 import cbopt.integrations
+from conftest import import_torchvision
 from cbopt.cli import docs
 
 pytest.importorskip('mkdocs')
 pytest.importorskip('mkdocstrings_handlers.python')
 pytest.importorskip('mkdocs_jupyter')
+import_torchvision()  # (cbopt.integrations.lightning's LRFindRestore imports Lightning, which imports torchvision)
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / 'README.md'

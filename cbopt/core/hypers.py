@@ -21,7 +21,7 @@ from .chain import cached, chain_defaults, chain_name, chain_reads
 from .spec import spec
 
 __all__ = ['ParamGroup', 'TorchParamGroup', 'TORCH_FLAGS', 'torch_hyper_names', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
-           'ALIASES', 'TORCH_HYPER_NAMES', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
+           'ALIASES', 'TORCH_HYPER_NAMES', 'is_known_hyper', 'is_framework_key', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
 NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
@@ -109,6 +109,19 @@ GROUP_ALIASES = {**ALIASES, 'cbs': 'chain'}  # keys a ParamGroup answers to but 
 # hypers, and `cbs`, the group's callbacks, held as `chain` (the entry by which a checkpoint names them)
 
 
+def _swapped_params(group: dict, params: Any) -> list:
+    """`params` written into a group that names its params (`group['params'] = ...`): one for one (accelerate's and
+    XLA's swap of each param for its moved copy), each keeps its name; any other count (DeepSpeed-style
+    `group['params'] = [flat]`, or ZeroRedundancyOptimizer's copy of a group for one rank) drops the names, which would
+    name other params: an optimizer refuses to step or save such a group (`Optimizer._check_groups`), while a copy
+    that becomes another optimizer's group is named there anew."""
+    params = list(params)
+    names = dict.get(group, 'param_names')
+    if dict.__contains__(group, 'params') and names is not None and len(params) != len(names):
+        dict.__delitem__(group, 'param_names')
+    return params
+
+
 class ParamGroup(dict):
     """A torch param group whose aliased keys (`GROUP_ALIASES`: `momentum` for `mom`, `cbs` for `chain`, the group's
     callbacks) are names of one entry: reading, writing, `in`, `get`, `pop` and `del` of an alias go to the entry it
@@ -119,6 +132,7 @@ class ParamGroup(dict):
     LR schedulers write `group['lr']` directly every step, as torch's do (torch never validates those writes), and
     `load_state_dict` commits through here after checking everything, at a point where nothing may fail."""
     def __setitem__(self, k, v):
+        if k == 'params': v = _swapped_params(self, v)
         if k == 'param_names' and 'params' in self and len(v) != len(self['params']):
             return  # names of other params: ZeroRedundancyOptimizer copies rank 0's group entries into every rank's
         v = _plain(v)
@@ -197,6 +211,7 @@ class TorchParamGroup(ParamGroup):
         if k in _CHAIN_KEYS:
             self.chain_cbs = v
             return
+        if k == 'params': v = _swapped_params(self, v)
         if k == 'param_names' and 'params' in self and len(v) != len(self['params']): return  # (see ParamGroup)
         v = _plain(v)
         if v and k in ('mom', 'momentum') and self.chain_cbs is not None and 'mom' not in chain_reads(self.chain_cbs):
@@ -369,6 +384,21 @@ INF_OK = ('tolerance_grad', 'tolerance_change')  # thresholds torch's LBFGS comp
 INT_HYPERS = ('k', 'every', 'max_iter', 'history_size')
 FLAG_HYPERS = ('nesterov', 'clip', 'train_mode', 'in_place')  # on/off switches: bools only
 BOOL_OK = ('dampening',)            # a number in torch's SGD, a flag in fastai's `average_grad`: both
+
+
+def is_framework_key(k: Any, cbs: Any) -> bool:
+    """Whether group entry `k` is a framework's own (timm's `lr_scale`, Lookahead's `lookahead_step`), not a hyper of
+    the chain `cbs`: no callback of it reads `k` and `k` names no hyper cbopt or torch.optim knows (`is_known_hyper`).
+    Such entries are carried as torch carries them: kept in the group, saved in every format, loaded untouched."""
+    return (isinstance(k, str) and k not in NOT_HYPERS and not is_model_entry(k) and k not in chain_reads(cbs)
+            and not is_known_hyper(k))
+
+
+def is_known_hyper(k: Any) -> bool:
+    """Whether `k` names a hyper somewhere in cbopt or torch.optim (`weight_decay`, `amsgrad`, `mom`, `k`...): a group
+    dict's key that no callback of its chain reads is refused if so (it would change the math in another optimizer and
+    be silently ignored here), and carried as the caller's own entry otherwise (timm's `lr_scale`)."""
+    return k in TORCH_HYPER_NAMES or k in TORCH_FLAGS or k in HYPER_RULES or k in FLAG_HYPERS or k in BOOL_OK or k in ALIASES
 
 
 def _finite(v: Any) -> bool:

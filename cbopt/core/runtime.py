@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-__all__ = ['runtime', 'param_states', 'forget_state', 'warn_once', 'user_stacklevel']
+__all__ = ['runtime', 'param_states', 'wrapped', 'forget_state', 'warn_once', 'user_stacklevel']
 
 
 class Runtime:
@@ -30,14 +30,23 @@ def param_states(opt) -> dict:
     number): `opt.state` itself, but for `cbopt.optim`'s classes, whose `opt.state` shows each param's state as their
     torch class keeps it (`exp_avg`, `step` a tensor: `cbopt.state.torch_view`) over these same dicts. Every reader
     and writer inside cbopt goes through here, so the renaming costs the engine nothing."""
+    opt = wrapped(opt)
     d = opt.__dict__.get('state')
     return opt.state if d is None else d
+
+
+def wrapped(opt):
+    """The optimizer behind a wrapper that is a dynamic subclass of its class and holds it as `_optimizer`
+    (Lightning's `LightningOptimizer`: a cbopt method called through it runs with the wrapper as `self`), else `opt`."""
+    inner = opt.__dict__.get('_optimizer') if hasattr(opt, '__dict__') else None
+    return inner if isinstance(inner, torch.optim.Optimizer) and inner is not opt else opt
 
 
 _RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def runtime(opt) -> Runtime:
+    opt = wrapped(opt)
     if opt not in _RUNTIME: _RUNTIME[opt] = Runtime()
     return _RUNTIME[opt]
 
@@ -46,7 +55,7 @@ def forget_state(opt) -> None:
     """Drop what the engine holds of `opt`'s state between steps (the bucket plan's state dicts, the compiled chain's
     flat aliases of state tensors): once the state is loaded or cleared, they would keep the old tensors alive until
     the next step, twice the state's memory where a checkpoint is loaded to resume."""
-    rt = _RUNTIME.get(opt)
+    rt = _RUNTIME.get(wrapped(opt))
     if rt is not None:
         rt.bucket_plan = None
         rt.flat_aliases.clear()

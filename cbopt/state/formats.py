@@ -6,16 +6,17 @@ dict per group, Lookahead's slow weights). Matching them to an optimizer's param
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache as cached_once
 from typing import Any, NamedTuple
 
 import torch
 
 from ..core.chain import chain_name, chain_reads, is_model_cb, model_key
-from ..core.hypers import from_torch_names, torch_hyper_names
+from ..core.hypers import from_torch_names, is_framework_key, torch_hyper_names
 from ..core.flags import split_flags
 from ..core.spec import spec
 
-__all__ = ['read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
+__all__ = ['known_state_names', 'foreign_state_keys', 'read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_FIXED_FLAGS', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
            'chain_flags', 'torch_state', 'torch_model_state', 'torch_model_entries']
 
@@ -43,6 +44,33 @@ def torch_state_names(cbs) -> dict:
     names = {}
     for cb in cbs: names.update(spec(cb).torch_state)
     return names
+
+
+@cached_once
+def known_state_names() -> frozenset:
+    """Every per-param state name a cbopt callback keeps, by cbopt's name and torch.optim's (`grad_avg`, `exp_avg`,
+    `momentum_buffer`, `step`...): a state entry of one of these names that a param's chain does not keep is another
+    algorithm's state (refused on load and on a torch-format save); any other name is a framework's own entry (timm's
+    Lookahead keeps `lookahead_slow_buff` in `opt.state[p]`), carried through saving and loading untouched, as torch
+    does. Computed once, from the callbacks `cbopt.callbacks` exports."""
+    from .. import callbacks  # (the callbacks import only cbopt.core: no cycle)
+    names = {'step', 'eta', 'mu', 'al'}  # (torch's ASGD and LBFGS keep these beside the names callbacks declare)
+    for name in dir(callbacks):
+        cb = getattr(callbacks, name)
+        if not callable(cb) or isinstance(cb, type): continue
+        try: s = spec(cb)
+        except Exception: continue  # (a helper that is no callback)
+        names.update(s.state or ())
+        names.update(s.torch_state)
+        names.update(s.torch_state.values())
+    return frozenset(names)
+
+
+def foreign_state_keys(state: Mapping, chain_keys: Any) -> set:
+    """The entries of a param's `state` that are a framework's own (see `known_state_names`): not kept by its chain
+    (`chain_keys`) and named as no cbopt or torch.optim state is."""
+    known = known_state_names()
+    return {k for k in state if k not in chain_keys and k not in known}
 
 
 def chain_flags(cbs) -> set:
@@ -97,10 +125,10 @@ class Checkpoint(NamedTuple):
 def torch_hypers(i: int, g: Mapping, cbs) -> dict:
     """torch.optim group `i`'s entries as hypers of the chain `cbs` (by cbopt's names: `betas` are `mom` and `sqr_mom`,
     `weight_decay` is `wd`, ...; see `torch_hyper_names`), its algorithm flags checked against the chain, its whole-model
-    entries kept."""
+    entries and a framework's own (`is_framework_key`: timm's `lr_scale`) kept."""
     _check_flags(i, g, cbs)
     names = torch_hyper_names(cbs)
-    hypers = {k: v for k, v in g.items() if '.' in k}
+    hypers = {k: v for k, v in g.items() if '.' in k or k not in names and is_framework_key(k, cbs)}  # (lr_scale...)
     return {**hypers, **from_torch_names({k: v for k, v in g.items() if k in names}, names, f' (torch.optim group {i})')}
 
 

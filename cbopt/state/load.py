@@ -15,7 +15,7 @@ from ..core.chain import chain_name, flat_model_keys, flat_size, transient_keys
 from ..core.runtime import param_states, user_stacklevel
 from ..core.hypers import NOT_HYPERS, _plain, check_hyper, is_model_entry, model_entries
 from ..core.flags import split_flags
-from .formats import (TORCH_OPTIONAL_STATE, Checkpoint, Saved, read_checkpoint, torch_hypers, torch_model_state,
+from .formats import (TORCH_OPTIONAL_STATE, Checkpoint, Saved, foreign_state_keys, read_checkpoint, torch_hypers, torch_model_state,
                       torch_state)
 from ..core.names import canonical_names, is_positional
 from ..core.params import distinct_names
@@ -35,7 +35,7 @@ def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
     ours, theirs = opt.param_names, [s.name for s in ck.params]
     if not is_positional(ours) and not is_positional(theirs) and not _group_local_names(ck):
         index: dict[str, Saved] = {}
-        for n, s in zip(canonical_names(theirs), ck.params):
+        for n, s in zip(_unprefixed(canonical_names(theirs), ours), ck.params):
             if n in index: raise ValueError(f"param {n!r} appears twice in the state_dict")
             index[n] = s
         known = set(ours)
@@ -61,6 +61,24 @@ def _match(opt: Optimizer, ck: Checkpoint) -> list[Saved]:
             raise ValueError(f"param group {i} has {theirs_n} params in {what}, {ours_n} here (its params have no "
                              "names to match them by, so they are matched by position)")
     return ck.params
+
+
+def _unprefixed(theirs: list[str], ours: list[str]) -> list[str]:
+    """The checkpoint's names `theirs` as ours, when one module prefix tells them apart: an optimizer named from an
+    inner module, saved or loaded through the outer one (DCP's `get/set_optimizer_state_dict(outer, opt)` names params
+    by the outer module's FQNs, `model.0.weight`; Composer keeps HF models at `self.model`), or the other way round.
+    Only a prefix of attribute names (`model.`, `base_model.model.`; not an index, `0.`: `nn.Sequential(model)` is
+    another structure, refused) that every name of one side has, making the two sides' names the same sets."""
+    mine, seen = set(ours), set(theirs)
+    if mine == seen or not theirs or not ours: return theirs
+    for long, short, into_ours in ((theirs, mine, True), (ours, seen, False)):
+        for n in short:
+            if not long[0].endswith('.' + n): continue
+            prefix = long[0][:len(long[0]) - len(n)]
+            if any(part.isdigit() for part in prefix[:-1].split('.')): continue  # (an index: another structure)
+            if all(x.startswith(prefix) for x in long) and {x[len(prefix):] for x in long} == short:
+                return [x[len(prefix):] for x in theirs] if into_ours else [prefix + x for x in theirs]
+    return theirs
 
 
 def _group_local_names(ck: Checkpoint) -> bool:
@@ -239,19 +257,24 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
             if not saved:
                 new_state[p] = {}
                 continue
-            if cur: expected = cur
+            if cur:  # (less a framework's own entries: only when an entry has a name no cbopt callback's state has)
+                foreign = foreign_state_keys(cur, ()) and foreign_state_keys(cur, _chain_keys(opt, p, g))
+                expected = {key: v for key, v in cur.items() if key not in foreign}
             else:
                 key = (gi, p.shape, p.dtype, p.device, tuple(sorted(flags.items())))
                 if key not in expected_cache: expected_cache[key] = initial_state(opt, p, g)
                 expected = expected_cache[key]
             if ck.origin == 'torch':
                 saved = {key: v for key, v in saved.items() if key in expected or key not in TORCH_OPTIONAL_STATE}
-            if set(saved) != set(expected):
+            carried = foreign_state_keys(saved, expected)  # a framework's own entries (timm Lookahead's): as they are
+            saved_algo = {key: v for key, v in saved.items() if key not in carried}
+            if set(saved_algo) != set(expected):
                 if not expected: raise ValueError(f"the state_dict has state {sorted(saved)} for param {name!r}, "
                                                   f"but this optimizer keeps no state for it")
                 raise ValueError(f"param {name!r} has state keys {sorted(saved)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
             new_state[p] = {key: _load_value(f"state {key!r} of param {name!r}", saved[key], expected[key]) for key in expected}
+            new_state[p].update((key, _carried(saved[key], p)) for key in carried)
     new_state.update(ck.others)
     groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)
     hypers = [{key: _plain(v) for key, v in g.items() if key not in NOT_HYPERS and not is_model_entry(key)} for g in groups]
@@ -277,6 +300,19 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
                 entries = _on_params_device({key: loaded[key] for key in model_entries(mine)}, mine)
                 h.update(_in_our_order(f"group {i}", entries, mine, saved[i], ck, source))
     return new_state, hypers
+
+
+def _chain_keys(opt: Optimizer, p: torch.Tensor, g: Mapping) -> set:
+    "The state entries `g`'s chain keeps for `p` (as declared, or as a first step creates them): its algorithm's."
+    return set(initial_state(opt, p, g))
+
+
+def _carried(value: Any, p: torch.Tensor) -> Any:
+    """A framework's own state entry (`formats.foreign_state_keys`) as torch loads one: a copy, a floating-point tensor
+    on the param's device in its dtype, any other tensor on its device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype, copy=True)
+    return _copied(value)
 
 
 def _model_entries(where: str, theirs: Mapping, ours: Mapping) -> dict:

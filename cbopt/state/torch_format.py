@@ -10,10 +10,10 @@ import torch
 
 from ..core.chain import chain_counters, chain_defaults, chain_name, chain_reads, param_chain
 from ..core.flags import split_flags
-from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_model_entry
+from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_framework_key, is_model_entry
 from ..core.spec import spec
-from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, torch_hyper_names,
-                      torch_model_entries, torch_state_names)
+from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, foreign_state_keys,
+                      torch_hyper_names, torch_model_entries, torch_state_names)
 from .save import torch_state_dict
 from .torch_view import torch_scalar
 
@@ -39,7 +39,8 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
         entries = torch_group_entries(where, cls, cbs, hyper, opt.backend)
         if isinstance(g, TorchParamGroup) and cls is getattr(opt, 'torch_class', None):  # cbopt.optim's: as the group
             entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
-        groups.append({**entries, 'param_names': saved['param_names'], 'params': saved['params']})
+        own = {k: _plain(v) for k, v in g.items() if is_framework_key(k, cbs) and k not in entries}  # timm's lr_scale...
+        groups.append({**entries, **own, 'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := spec(cb).torch_extra_state) is not None]
         counters = chain_counters(param_chain(cbs))
@@ -50,12 +51,13 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
                                  f"say: its weight_decay applies to every param of a group (put {name!r} in a group with wd=0)")
             algo = {k: v for k, v in algo.items() if not is_model_entry(k)}
             if not algo: continue
+            carried = foreign_state_keys(algo, names)  # a framework's own entries (timm Lookahead's): saved as they are
             for k in algo:
-                if k not in names:
+                if k not in names and k not in carried:
                     raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
                                      f"{what}'s algorithm")
             torch_group = {**g, **groups[-1]}  # (its `fused`, `capturable`: where torch keeps its step)
-            out = {names[k]: torch_scalar(v, p, torch_group) if k in counters else v for k, v in algo.items()}
+            out = {names.get(k, k): torch_scalar(v, p, torch_group) if k in counters else v for k, v in algo.items()}
             if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
                 raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "
                                  f"chain does not count steps (cbopt.optim.{cls.__name__} does)")
