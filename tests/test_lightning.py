@@ -40,7 +40,7 @@ class Net(L.LightningModule):
 
 def _trainer(root, **kw):
     return L.Trainer(default_root_dir=str(root), accelerator='cpu', devices=1, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, deterministic=True, **kw)
+                     enable_model_summary=False, **kw)
 
 
 def test_fit_bf16_clipping_and_resume_bit_for_bit(tmp_path):
