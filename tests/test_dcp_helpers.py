@@ -25,6 +25,8 @@ class Outer(nn.Module):
 
 MAKERS = {
     'optim.AdamW': lambda m: cbopt.optim.AdamW(m.model.named_parameters(), lr=1e-2, weight_decay=0.1),
+    'optim.AdamW-titan': lambda m: cbopt.optim.AdamW(m.model.named_parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                                     weight_decay=0.1, fused=False, foreach=True),  # (torchtitan's kwargs)
     'Adam': lambda m: cbopt.Adam(m.model.named_parameters(), lr=1e-2),
     'Lion': lambda m: cbopt.Lion(m.model.named_parameters(), lr=1e-3),
     'ScheduleFreeAdamW': lambda m: cbopt.ScheduleFreeAdamW(m.model.named_parameters(), lr=1e-2),

@@ -124,3 +124,15 @@ def test_checkpoint_saver_resumes_bit_for_bit(tmp_path, name):
     sched3.step(start)
     _epochs(model3, opt3, sched3, range(start, 3))
     for (n, p), q in zip(model.named_parameters(), model3.parameters()): assert torch.equal(p, q), n
+
+
+def test_named_groups_and_fallback_keys():
+    "`param_group_fn=cbopt.param_groups_weight_decay` keys the state by FQN; `fallback_list`'s `use_fallback` is carried."
+    model = Net()
+    opt = create_optimizer_v2(model, 'cboptadamw', lr=1e-3, param_group_fn=lambda m: cbopt.param_groups_weight_decay(m, 0.05))
+    assert sorted(opt.param_names) == sorted(n for n, _ in model.named_parameters())
+    assert [g['weight_decay'] for g in opt.param_groups] == [0.0, 0.05]
+    opt = create_optimizer_v2(model, 'cboptadamw', lr=1e-3, weight_decay=0.05, fallback_list=['head.*'])
+    ref = create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05, fallback_list=['head.*'])
+    assert [g.get('use_fallback') for g in opt.param_groups] == [g.get('use_fallback') for g in ref.param_groups]
+    assert [g.get('use_fallback') for g in opt.state_dict()['param_groups']] == [None, None, True, True]
