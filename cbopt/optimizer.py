@@ -334,8 +334,8 @@ class Optimizer(torch.optim.Optimizer):
         checkpoint of a fresh optimizer then resumes as the fresh one would, where torch's AdamW counts it), it moves
         no param (Composer's decay at lr 0 would) and it runs in eval mode too (schedule-free's refuses to step there).
         A user's own step with lr 0 is a step."""
+        if not all(g.get('lr', 0) == 0 for g in self.param_groups): return False  # (first: cheap, and rarely true)
         if any(split_flags(s)[0] for s in param_states(self).values()): return False
-        if not all(g.get('lr', 0) == 0 for g in self.param_groups): return False
         return in_dcp_init_step()
 
     @property
