@@ -28,12 +28,13 @@ NOT_KERNELS = ('prim.', 'profiler.', 'aten.detach', 'aten.alias', 'aten.view', '
 
 class SyncLog(TorchDispatchMode):
     """Counts, while `on`: host-device syncs (`syncs`, by kind; `where`: by the innermost cbopt frame) and the ops
-    that launch a kernel (`ops`, by name). A bool read of a CUDA tensor answers `bool_value`."""
+    that launch a kernel (`ops`, by name). A read of a value answers `value` (default 0: GradScaler's `found_inf`
+    reads as no inf)."""
 
-    def __init__(self, bool_value: bool = False):
+    def __init__(self, value: float = 0):
         super().__init__()
         self.syncs, self.where, self.ops = collections.Counter(), collections.Counter(), collections.Counter()
-        self.on, self.bool_value = False, bool_value
+        self.on, self.value = False, value
 
     def clear(self) -> None:
         self.syncs.clear(), self.where.clear(), self.ops.clear()
@@ -50,7 +51,8 @@ class SyncLog(TorchDispatchMode):
         if self.on and not str(func).startswith(NOT_KERNELS): self.ops[str(func)] += 1
         if func in SYNC_READS:
             if self.on and t0.device.type == 'cuda': self._note('D2H .item()/bool()')
-            return self.bool_value if t0.dtype == torch.bool else (1 if not t0.dtype.is_floating_point else 1.0)
+            v = self.value  # (`bool(t)` reaches here as `_local_scalar_dense` too: one answer for every read)
+            return bool(v) if t0.dtype == torch.bool else float(v) if t0.dtype.is_floating_point else int(v)
         if self.on and func is A._to_copy.default and t0 is not None:
             dst = torch.device(kwargs.get('device') or t0.device)
             if t0.device.type == 'cpu' and dst.type == 'cuda' and not kwargs.get('non_blocking'):
@@ -97,13 +99,13 @@ class FakeKernels:
 
 
 @contextlib.contextmanager
-def fake_cuda(bool_value: bool = False):
+def fake_cuda(value: float = 0):
     """Fake CUDA tensors, a `SyncLog` (off until a check turns it on) and `FakeKernels`: yields `(log, kernels)`. The
     engine's kept step count tensors are dropped before and after (they would cross between real and fake modes)."""
     from cbopt.engine import kernels
     kernels._STEPS.clear()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), FakeKernels().installed() as fk, SyncLog(bool_value) as log:
+        with FakeTensorMode(allow_non_fake_inputs=True), FakeKernels().installed() as fk, SyncLog(value) as log:
             yield log, fk
     finally: kernels._STEPS.clear()
 

@@ -13,7 +13,8 @@ import torch
 from torch import optim
 
 import cbopt
-from cbopt.engine import buckets as bucketing
+from cbopt.core.runtime import param_states
+from cbopt.engine import buckets as bucketing, dispatch
 from conftest import assert_same_params, assert_tensors_close, batch_loss, count_calls, EAGER, make_model, NO_COMPILE_FALLBACK, params_and_grads, sharded, train
 
 pytestmark = [pytest.mark.usefixtures('one_thread'), NO_COMPILE_FALLBACK]
@@ -88,7 +89,8 @@ def test_grad_scaler_as_torchs_fused_optimizer(name, monkeypatch):
             for p, st in zip(model.parameters(), before[1]):
                 assert all(torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
                            for k, v in st.items())
-    ours = [c['grad_scale'] for c in calls if 'found_inf' not in c]  # (torch's calls pass it, even at inf steps)
+    ours = [c['grad_scale'] for c in calls if c.get('found_inf') is None]  # (torch's pass it, even at inf steps;
+    # ours read it on the host, on the CPU)
     assert len(ours) == 9 and None not in ours and len({s.item() for s in ours}) >= 3  # the scale moved both ways
 
 
@@ -323,3 +325,39 @@ def test_dtensor_params_of_sgd_and_adagrad_do_not_reach_their_kernels(make, kern
         for o in opts: o.step()
     assert len(calls) == 2  # the plain param's steps after its first
     torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('name', ['adamw', 'sgd-momentum', 'adagrad-all'])
+def test_grad_scaler_found_inf_on_the_device_as_torchs_fused_optimizer(name, monkeypatch):
+    """On a GPU (the CPU standing in for one here: `HOST_READ_DEVICES` emptied), a step whose buckets all take torch's
+    kernel hands GradScaler's `found_inf` to the kernel and never reads it (`step_stats['skipped']` is that flag), the
+    step counts counted on the device: params, grads and step counts bit for bit torch's fused optimizer's under the
+    same scaler, inf steps included. Without the scaler afterwards, the counts are numbers again and both go on alike;
+    a checkpoint taken in between holds numbers."""
+    monkeypatch.setattr(dispatch, 'HOST_READ_DEVICES', ())
+    cls, hypers = {'adamw': ('AdamW', dict(lr=0.05, betas=(0.8, 0.95), weight_decay=0.1)), **CONFIGS}[name]
+    ref = make_model()
+    ref_opt = getattr(optim, cls)(ref.parameters(), **hypers, fused=True)
+    train(ref_opt, ref, 1)  # (the state exists: the kernel steps ours from the first scaled step)
+    model = copy.deepcopy(ref)
+    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, fused=True)
+    opt.load_state_dict(ref_opt.state_dict())
+    scalers = [torch.amp.GradScaler('cpu', init_scale=2. ** 14, growth_interval=3) for _ in range(2)]
+    for i in range(1, 9):
+        for m, o, sc in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            o.zero_grad()
+            sc.scale(batch_loss(m, i)).backward()
+            if i in (3, 4): m[2].bias.grad[0] = float('inf')
+            sc.step(o)
+            sc.update()
+        assert torch.is_tensor(opt.step_stats['skipped']) and bool(opt.step_stats['skipped']) == (i in (3, 4))
+        assert_same_params(model, ref, f'{name} step {i}')
+        for p, q in zip(model.parameters(), ref.parameters()): assert torch.equal(p.grad, q.grad)
+    raw = param_states(opt)
+    if 'step' in raw[opt.params[0]]:
+        assert all(torch.is_tensor(raw[p]['step']) and raw[p]['step'].dtype == torch.float32 for p in opt.params)
+        theirs = ref_opt.state_dict()['state']
+        assert [st['step'] for st in opt.state_dict()['state'].values()] == [st['step'] for st in theirs.values()]
+    train(opt, model, 2, start=9), train(ref_opt, ref, 2, start=9)
+    assert_same_params(model, ref, f'{name} after the scaler')
+    assert all(type(raw[p].get('step', 0)) is int for p in opt.params)

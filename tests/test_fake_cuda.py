@@ -17,7 +17,7 @@ def steps(opt, params, log, n=STEPS, scaler=False):
     for i in range(n):
         opt.zero_grad()
         set_grads(params)
-        if scaler: opt.grad_scale, opt.found_inf = torch.full((), 1024., device='cuda'), torch.zeros(1, device='cuda')
+        if scaler: opt.grad_scale, opt.found_inf = torch.full((), 1024., device='cuda'), torch.zeros((), device='cuda')
         log.clear()
         log.on = i == n - 1
         opt.step()
@@ -162,3 +162,31 @@ def test_capturable_on_cuda_is_refused_not_ignored(monkeypatch):
         monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: True)
         with pytest.raises(RuntimeError, match='CUDA graph'): opt.step()
         assert not opt.state and cpu.param_groups[0]['capturable']
+
+
+KERNEL_CASES = [c for c in STEPPABLE if c.has_torch_kernel and not c.splits_groups]  # (Muon's matrices: a chain)
+
+
+@pytest.mark.parametrize('case', KERNEL_CASES, ids=str)
+def test_grad_scaler_step_on_torch_kernels_has_no_sync(case):
+    """Under GradScaler (its `grad_scale` and `found_inf` on the optimizer, as `scaler.step` sets them), a steady step
+    whose buckets all take torch's kernel passes `found_inf` to the kernel and never reads it on the host: no sync, and
+    the step counts are then float32 tensors on the device. A checkpoint reads them as numbers."""
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        opt = case.build(ps, 1e-3)
+        syncs, where = steps(opt, ps, log, scaler=True)
+        assert not syncs, f"{case}: {syncs} at {where}"
+        assert sum(kernels.calls.values()) >= 1
+        counts = [st['step'] for st in opt.state.values() if 'step' in st]
+        assert all(isinstance(t, torch.Tensor) and t.device.type == 'cuda' and t.dtype == torch.float32 for t in counts)
+        assert all(type(st['step']) is int for st in opt.state_dict()['state'].values() if 'step' in st)
+
+
+def test_grad_scaler_with_a_chain_reads_found_inf_once():
+    "Under GradScaler, a chain without a torch kernel (Lion) reads `found_inf` once per step, as torch's GradScaler does."
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        opt = cbopt.Lion(ps, 1e-4)
+        syncs, where = steps(opt, ps, log, scaler=True)
+        assert syncs == {'D2H .item()/bool()': 1}, where

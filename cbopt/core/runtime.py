@@ -23,6 +23,7 @@ class Runtime:
         self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...]}
         self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`engine.flat.flat_inputs`)
         self.bucket_plan = None       # the last step's buckets, checked at the next (`buckets.planned_buckets`)
+        self.device_counts = False    # some step counts are tensors on the device (`engine.dispatch.kernel_step_on_device`)
 
 
 def param_states(opt) -> dict:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..core.chain import chain_name, param_chain
+from ..core.chain import chain_counters, chain_name, param_chain
 from . import buckets as bucketing
 from .auto import auto_bucket
 from .buckets import Bucket, as_real
@@ -15,9 +15,9 @@ from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
 from .scaling import scale_grads, unscale_grads
-from ..core.runtime import param_states
+from ..core.runtime import param_states, runtime
 
-__all__ = ['RUNNERS', 'check_grads', 'run_buckets']
+__all__ = ['RUNNERS', 'check_grads', 'run_buckets', 'HOST_READ_DEVICES', 'read_on_host', 'kernel_step_on_device', 'counts_as_numbers']
 
 
 def _fused(opt, b: Bucket, hyper: Mapping) -> None:
@@ -89,3 +89,50 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
             if loss_scale is not None: unscale_grads(b.params, loss_scale)
             if scale is not None: scale_grads(b.params, scale, in_place)
             run(opt, b, hyper)
+
+
+HOST_READ_DEVICES = ('cpu',)  # where GradScaler's `found_inf` is read on the host: free there (no device to wait for)
+
+
+def read_on_host(found_inf: torch.Tensor) -> bool:
+    "Whether a step reads GradScaler's `found_inf` on the host (`HOST_READ_DEVICES`) rather than in the kernels."
+    return found_inf.device.type in HOST_READ_DEVICES
+
+
+def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss_scale: torch.Tensor | None) -> bool:
+    """Step every bucket with torch's kernel, GradScaler's `found_inf` passed to it and never read on the host (no sync:
+    torch's fused optimizers' way), where each bucket has one (the `auto` and `fused` backends, no whole-model
+    callbacks: the caller's), `found_inf` is on an accelerator (`HOST_READ_DEVICES`) and no param is complex. Returns
+    whether it stepped; False: nothing was touched, and the step reads `found_inf` (chains need their counts as numbers,
+    and skip the step on the host). The kernels count the steps on the device (`kernels._counted_on_device`)."""
+    if opt.backend_options.kind not in ('auto', 'fused') or read_on_host(found_inf): return False
+    if not any(param_chain(g['cbs']) for g in opt.param_groups): return False
+    buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads)
+    if opt.backend_options.kind == 'fused': _check_fused_devices(buckets)
+    runs = []
+    for b in buckets:
+        if b.params[0].is_complex(): return False  # (a bucket has one dtype)
+        if (run := torch_kernel(b, snapshots[id(b.group)], loss_scale=loss_scale, found_inf=found_inf)) is None:
+            return False
+        runs.append(run)
+    runtime(opt).device_counts = True
+    for run in runs: run()
+    return True
+
+
+def counts_as_numbers(opt) -> None:
+    """The step counts `kernel_step_on_device` left on the device, as Python numbers again (one read of each device's
+    counts): before a step whose chains or skip read them. Free where none are."""
+    rt = runtime(opt)
+    if not rt.device_counts: return
+    todo: dict = {}  # device -> [(state, key, type)]
+    for g in opt.param_groups:
+        counters = chain_counters(g['cbs'])
+        for p in g['params']:
+            st = param_states(opt).get(p)
+            for k, kind in counters.items():
+                if st and isinstance(v := st.get(k), torch.Tensor): todo.setdefault(v.device, []).append((st, k, kind))
+    for entries in todo.values():
+        values = torch.stack([st[k] for st, k, _ in entries]).tolist()
+        for (st, k, kind), v in zip(entries, values): st[k] = kind(v)
+    rt.device_counts = False

@@ -42,14 +42,18 @@ def has_kernel(cbs: Iterable[Callable]) -> bool:
 
 
 def torch_kernel(b: Bucket, hyper: Mapping, grad_scale: torch.Tensor | None = None,
-                 loss_scale: torch.Tensor | None = None, scale_in_place: bool = False) -> Callable[[], None] | None:
+                 loss_scale: torch.Tensor | None = None, scale_in_place: bool = False,
+                 found_inf: torch.Tensor | None = None) -> Callable[[], None] | None:
     """A function stepping `b` with torch's fused kernel for its chain, or None if none applies. `grad_scale` (a 0-d
     tensor, from a whole-model callback such as `clip_grad_norm`) multiplies every grad the chain sees, never
     writing into the grads unless `scale_in_place`; `loss_scale` (GradScaler's) divides them, in place, inside the
-    kernel's pass."""
+    kernel's pass. `found_inf` (GradScaler's, on the device: never read on the host) makes the kernel skip the step
+    where it is 1, and the step counts are then counted on the device (`_counted_on_device`)."""
     kernel = KERNELS.get(b.kept('sig', lambda: chain_sig(b.cbs)))
     if kernel is None: return None
-    scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale)) if v is not None}
+    if found_inf is not None: found_inf = found_inf.to(device=b.params[0].device, dtype=torch.float32).reshape(())
+    scales = {k: v for k, v in (('grad_scale', grad_scale), ('loss_scale', loss_scale), ('found_inf', found_inf))
+              if v is not None}
     if grad_scale is not None and scale_in_place: scales['scale_in_place'] = True
     return kernel(b, hyper, **scales)
 
@@ -123,12 +127,14 @@ def _laid_out_alike(b: Bucket, buffers: tuple[str, ...]) -> bool:
 
 def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tuple[str, ...],
                 call: Callable[..., None], on_dtensors: bool = False, grad_scale: torch.Tensor | None = None,
-                loss_scale: torch.Tensor | None = None, scale_in_place: bool = False) -> Callable[[], None] | None:
+                loss_scale: torch.Tensor | None = None, scale_in_place: bool = False,
+                found_inf: torch.Tensor | None = None) -> Callable[[], None] | None:
     """A function stepping `b` with one of torch's fused kernels, or None where the kernel does not apply: what every
     adapter shares. `buffers` are the param-shaped state entries the kernel updates (in its argument order), `numbers`
     the hypers it takes as Python floats; `on_dtensors`: whether DTensor has a rule for the kernel (torch's Adam
     kernels; not its SGD and Adagrad ones). `call(params, grads, [buffers of each key], grad_scale=divisor)` calls the
-    kernel once; it is called on the bucket whole, or, for a `grad_scale` not written into the grads (the grad
+    kernel once (`found_inf`: GradScaler's flag, passed to it as it is); it is called on the bucket whole, or, for a
+    `grad_scale` not written into the grads (the grad
     contract), with scaled copies of the grads: on the CPU on cache-sized runs of flat slices (`_scaled_slices`: each
     run's copies are read from cache), on a GPU once, with the whole bucket's copies (one foreach multiply: a launch
     per run would cost more than the copies' memory traffic)."""
@@ -139,18 +145,20 @@ def kernel_step(b: Bucket, hyper: Mapping, buffers: tuple[str, ...], numbers: tu
     if p0.device.type not in ('cpu', 'cuda') or p0.dtype not in _KERNEL_DTYPES[p0.device.type]: return None
     if not b.kept(buffers, lambda: _laid_out_alike(b, buffers)): return None  # (the layout is the plan's)
     copies = grad_scale is not None and not scale_in_place  # scaled copies of the grads
+    if copies and found_inf is not None: return None  # (never both: GradScaler's step has no whole-model callback)
     runs = copies and p0.device.type == 'cpu'  # ... in cache-sized runs (`_scaled_slices`): a CPU rule
     if runs and not all(p.is_contiguous() for p in b.params): return None  # (cut into flat slices)
     divisor = _divisor(p0, grad_scale, loss_scale, scale_in_place)
 
     def run():
         state = lambda: ([s[k] for s in b.states] for k in buffers)
-        if not copies: call(b.params, [p.grad for p in b.params], *state(), grad_scale=divisor)
+        if not copies: call(b.params, [p.grad for p in b.params], *state(), grad_scale=divisor, found_inf=found_inf)
         elif not runs:  # on a GPU: one scaled copy of the bucket's grads (one foreach call), then one kernel call
             scale = grad_scale.to(device=p0.device, dtype=p0.dtype)
-            call(b.params, foreach_op('mul')([p.grad for p in b.params], scale), *state(), grad_scale=None)
+            call(b.params, foreach_op('mul')([p.grad for p in b.params], scale), *state(), grad_scale=None,
+                 found_inf=None)
         else:
-            for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=None)
+            for ps, gs, *bufs in _scaled_slices(b, grad_scale, buffers): call(ps, gs, *bufs, grad_scale=None, found_inf=None)
     return run
 
 
@@ -166,16 +174,15 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     if _algo_keys(st) != {*moments, 'step'} or 'dampening' in hyper: return None
     kernel = fused_kernel(op)
-    if kernel is None: return None
-    step = st['step'] + 1
+    if kernel is None or not (step := _next_step(st, scales)): return None
 
-    def call(ps, gs, *bufs, grad_scale):
+    def call(ps, gs, *bufs, grad_scale, found_inf):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
-        kernel(ps, gs, *bufs, *no_max, [_step_tensor(step, p0.device)] * len(ps), lr=hyper['lr'], beta1=hyper['mom'],
+        kernel(ps, gs, *bufs, *no_max, _steps(b, ps, step), lr=hyper['lr'], beta1=hyper['mom'],
                beta2=hyper['sqr_mom'], eps=hyper['eps'], weight_decay=_wd(hyper, st), amsgrad=amsgrad,
-               maximize=maximize, grad_scale=grad_scale)
+               maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
     run = kernel_step(b, hyper, moments, ('mom', 'sqr_mom', 'eps', 'wd'), call, on_dtensors=True, **scales)
-    return None if run is None else _counting_steps(run, b, step)
+    return None if run is None else _counting_steps(run, b, step, scales.get('found_inf'))
 
 
 def fused_adam(b: Bucket, hyper: Mapping, **kw) -> Callable[[], None] | None:
@@ -200,11 +207,11 @@ def fused_sgd(b: Bucket, hyper: Mapping, momentum: bool = False, dampened: bool 
     kernel = fused_kernel('_fused_sgd_')
     if kernel is None: return None
 
-    def call(ps, gs, *bufs, grad_scale):
+    def call(ps, gs, *bufs, grad_scale, found_inf):
         kernel(ps, gs, *(bufs or ([],)), weight_decay=0. if decoupled else _wd(hyper, st),
                momentum=hyper['mom'] if momentum else 0., lr=hyper['lr'],
                dampening=hyper['dampening'] if dampened else 0., nesterov=nesterov, maximize=maximize,
-               is_first_step=False, grad_scale=grad_scale)
+               is_first_step=False, grad_scale=grad_scale, found_inf=found_inf)
     numbers = ('wd',) + (('mom',) if momentum else ()) + (('dampening',) if dampened else ())
     return kernel_step(b, hyper, buffers, numbers, call, **scales)
 
@@ -218,21 +225,20 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
     if _algo_keys(st) != {'sqr_sum', 'step'}: return None
     if decoupled and _wd(hyper, st) != 0: return None
     kernel = fused_kernel('_fused_adagrad_')
-    if kernel is None: return None
-    step = st['step'] + 1
+    if kernel is None or not (step := _next_step(st, scales)): return None
 
-    def call(ps, gs, sums, grad_scale):
-        kernel(ps, gs, sums, [_step_tensor(step, p0.device)] * len(ps), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
+    def call(ps, gs, sums, grad_scale, found_inf):
+        kernel(ps, gs, sums, _steps(b, ps, step), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
                weight_decay=0. if decoupled else _wd(hyper, st), eps=hyper['eps'], maximize=maximize,
-               grad_scale=grad_scale)
+               grad_scale=grad_scale, found_inf=found_inf)
     run = kernel_step(b, hyper, ('sqr_sum',), ('lr_decay', 'wd', 'eps', 'initial_accumulator_value'), call, **scales)
     if run is None: return None
 
     def first_fills():
-        if step == 1:
+        if type(step) is int and step == 1:  # (a count on the device was a number at its first step, which filled them)
             for s in b.states: s['sqr_sum'].fill_(hyper['initial_accumulator_value'])
         run()
-    return _counting_steps(first_fills, b, step)
+    return _counting_steps(first_fills, b, step, scales.get('found_inf'))
 
 
 _STEPS: dict = {}  # device -> [count, its float32 tensor]: the step count the kernels read, one per device
@@ -266,9 +272,46 @@ def _wd(hyper: Mapping, st: Mapping):
     return hyper['wd'] if st.get('do_wd', True) else 0.
 
 
-def _counting_steps(run: Callable[[], None], b: Bucket, step: int) -> Callable[[], None]:
-    "`run`, then the bucket's step count `step`, as `step_stat` leaves it."
+def _next_step(st: Mapping, scales: Mapping) -> int | bool:
+    """The count of the step a kernel is asked for: the state's count plus one (a number; True where the counts are on
+    the device, `_counted_on_device`, which then count it); False where the kernel cannot count it (a count left on
+    the device, asked without GradScaler's flag: the engine makes the counts numbers before such a step)."""
+    if not isinstance(st['step'], torch.Tensor): return st['step'] + 1
+    return 'found_inf' in scales
+
+
+def _steps(b: Bucket, ps: list, step: int | bool) -> list:
+    """The step counts the kernel reads for params `ps` of `b`: each param's own tensor where the counts are on the
+    device (then `ps` is the whole bucket: `kernel_step` cuts no runs under GradScaler), else the one kept tensor of
+    the count `step` (`_step_tensor`), for every param."""
+    if isinstance(b.states[0]['step'], torch.Tensor): return [s['step'] for s in b.states]
+    return [_step_tensor(step, ps[0].device)] * len(ps)
+
+
+def _counting_steps(run: Callable[[], None], b: Bucket, step: int | bool,
+                    found_inf: torch.Tensor | None = None) -> Callable[[], None]:
+    """`run`, then the bucket's step count `step`, as `step_stat` leaves it; with GradScaler's `found_inf`, counted on
+    the device instead (`_counted_on_device`)."""
+    if found_inf is not None: return _counted_on_device(run, b, found_inf)
     def counted():
         run()
         for s in b.states: s['step'] = step
+    return counted
+
+
+def _counted_on_device(run: Callable[[], None], b: Bucket, found_inf: torch.Tensor) -> Callable[[], None]:
+    """`run` under GradScaler without reading its `found_inf` on the host, as torch's fused optimizers do: each param's
+    step count becomes a float32 0-d tensor on its device (in its state, `step`: made by a fill, no copy from the host),
+    which is counted in place before the kernel and uncounted by `found_inf` after it (the kernel skipped that step
+    where it is 1). The engine makes them numbers again (one read) before a step that needs them as numbers
+    (`counts_as_numbers`); checkpoints read them as numbers."""
+    def counted():
+        steps = []
+        for s in b.states:
+            if not isinstance(t := s['step'], torch.Tensor):
+                s['step'] = t = torch.full((), float(t), dtype=torch.float32, device=b.params[0].device)
+            steps.append(t)
+        foreach_op('add_')(steps, 1.)
+        run()
+        foreach_op('sub_')(steps, [found_inf] * len(steps))
     return counted

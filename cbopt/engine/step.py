@@ -10,7 +10,7 @@ from .._torch import constant_result, dynamo_loaded
 from ..core.chain import cb_name
 from ..core.hypers import Hypers
 from . import traced
-from .dispatch import check_grads, run_buckets
+from .dispatch import check_grads, counts_as_numbers, kernel_step_on_device, read_on_host, run_buckets
 from .model_stage import init_model_state, model_plan, run_model_step, uses_closure
 from .scaling import unscale_grads
 
@@ -68,13 +68,22 @@ def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
             raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "
                                "opt.train() before opt.step(), and opt.eval() before evaluating or saving")
     found_inf, loss_scale = getattr(opt, 'found_inf', None), getattr(opt, 'grad_scale', None)  # GradScaler's
-    if found_inf is not None and bool(found_inf):  # (one sync: step counts are Python ints)
+    plan = model_plan(opt.param_groups)
+    snapshots = None
+    if found_inf is not None and not read_on_host(found_inf) and not (plan[0] or plan[1]):
+        snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}  # (every bucket on torch's kernel: the
+        # step reads found_inf nowhere but in the kernels, and a skipped step is told by `step_stats['skipped']`, a
+        # 0-d tensor on the device)
+        if kernel_step_on_device(opt, snapshots, found_inf, loss_scale):
+            opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': found_inf}
+            return
+    counts_as_numbers(opt)  # (counts the kernels kept on the device: numbers again, for the chains)
+    if found_inf is not None and bool(found_inf):  # (one sync on this path: chains read their counts as numbers)
         opt.step_stats = {'lr': [Hypers(g).snapshot().get('lr') for g in opt.param_groups], 'skipped': True,
                           'skipped_by': 'GradScaler'}
         return
-    plan = model_plan(opt.param_groups)
     if not (plan[0] or plan[1]):
-        snapshots = {id(g): Hypers(g).snapshot() for g in opt.param_groups}
+        snapshots = snapshots or {id(g): Hypers(g).snapshot() for g in opt.param_groups}
         run_buckets(opt, snapshots, check=True, loss_scale=loss_scale)
         opt.step_stats = {'lr': [snapshots[id(g)].get('lr') for g in opt.param_groups], 'skipped': False}
         return
