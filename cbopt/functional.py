@@ -28,7 +28,6 @@ old params and state, so it batches and compiles.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -42,7 +41,6 @@ from .callbacks.whole_model import PURE
 from .core.chain import (cb_name, chain_name, chain_reads, declared_state, init_chain_state, is_declared, model_key,
                          param_chain, split_chain, transient_keys, unwrap)
 from .core.runtime import param_states
-from .engine.buckets import Bucket, as_real
 from .engine.dispatch import check_grads
 from .engine.model_stage import model_plan
 from .core.spec import spec
@@ -142,15 +140,21 @@ def _run_copies(cbs: list, transient: frozenset, params: list, grads: list, stat
     return new_params, new_states
 
 
+def _real(t: Any) -> Any:
+    "A complex tensor as a real view of its (real, imaginary) pairs, in autograd's graph (writes reach it); else `t`."
+    return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
+
+
 def differentiable_step(opt: Optimizer, closure: Callable | None = None, loss: Any = None) -> None:
     """`opt.step()` recorded by autograd: torch.optim's `differentiable=True` (cbopt.optim's classes run their step
     with this). Each group's chain runs as `update` runs it, out of place on copies under functionalize
     (`_run_copies`), with grad mode on; then each param and state tensor takes its new value in place (`copy_`,
     recorded), so the tensors the user holds are the same objects, now with the step in their history:
     `torch.autograd.grad` of a loss after the step reaches the params, grads, state and tensor hypers (a tensor lr,
-    betas) before it. Python numbers (the step count) stay numbers. All or nothing: every group is computed, and
-    every tensor to be written checked, before any is written; a param or state tensor that is a leaf requiring
-    grad cannot be written in place under autograd (torch's rule and words: step a clone of it, as torch's
+    betas) before it. Python numbers (the step count) stay numbers; complex params step on real views, as in every
+    backend (`engine.buckets.as_real`, whose views are detached: here they are not). All or nothing: every group is
+    computed, and every tensor to be written checked, before any is written; a param or state tensor that is a leaf
+    requiring grad cannot be written in place under autograd (torch's rule and words: step a clone of it, as torch's
     differentiable optimizers want)."""
     plan = model_plan(opt.param_groups)
     if plan[0] or plan[1]:
@@ -159,24 +163,28 @@ def differentiable_step(opt: Optimizer, closure: Callable | None = None, loss: A
     check_grads(opt)
     states = param_states(opt)
     writes = []  # (param name, 'param' or state key, tensor written in place or state dict, new value)
-    with torch.enable_grad(), contextlib.ExitStack() as views:
+    with torch.enable_grad():
         for g in opt.param_groups:
             named = [(n, p) for n, p in zip(g['param_names'], g['params']) if p.grad is not None]
             if not named: continue
             hyper, cbs, transient = Hypers(g).snapshot(), param_chain(g['cbs']), transient_keys(g['cbs'])
-            b = views.enter_context(as_real(Bucket(g, [p for _, p in named], [states[p] for _, p in named])))
+            qs = [_real(p) for _, p in named]
+            sts = [{k: _real(v) for k, v in states[p].items()} for _, p in named]
             run = lambda params, grads, sts, hyper: _run_copies(cbs, transient, params, grads, sts, hyper, True)
-            new_params, new_states = torch.func.functionalize(run)(b.params, [p.grad for p in b.params], b.states, hyper)
-            for (name, _), p, st, new_p, new_st in zip(named, b.params, b.states, new_params, new_states):
-                writes.append((name, 'param', p, new_p))
+            new_params, new_states = torch.func.functionalize(run)(qs, [_real(p.grad) for _, p in named], sts, hyper)
+            for (name, p), q, st, new_q, new_st in zip(named, qs, sts, new_params, new_states):
+                writes.append((name, 'param', q, new_q))
                 for k, v in new_st.items():
                     old = st.get(k)
-                    same = isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape \
-                        and old.dtype == v.dtype and old.device == v.device
-                    writes.append((name, k, old, v) if same else (name, k, st, v))
-                writes += [(name, k, st, None) for k in st if k not in new_st]  # (transient entries: dropped)
+                    if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape \
+                            and old.dtype == v.dtype and old.device == v.device: writes.append((name, k, old, v))
+                    else:  # (a new entry: complex where the param is, as in every backend)
+                        as_complex = q is not p and isinstance(v, torch.Tensor) and v.shape == q.shape and v.dtype == q.dtype
+                        writes.append((name, k, states[p], torch.view_as_complex(v) if as_complex else v))
+                writes += [(name, k, states[p], None) for k in st if k not in new_st]  # (transient entries: dropped)
         for name, what, target, _ in writes:
-            if isinstance(target, torch.Tensor) and target.is_leaf and target.requires_grad:
+            base = target._base if isinstance(target, torch.Tensor) and target._base is not None else target
+            if isinstance(base, torch.Tensor) and base.is_leaf and base.requires_grad:  # (a complex one's real view too)
                 raise RuntimeError(f"a leaf Variable that requires grad is being used in an in-place operation: "
                                    f"{'param' if what == 'param' else f'state {what!r} of param'} {name!r} is one (a "
                                    "differentiable step writes into it: give the optimizer a clone, p.clone())")
