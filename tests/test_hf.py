@@ -88,3 +88,18 @@ def test_accelerate_sees_overflow_steps_as_torch(name, fused):
         skipped.append(acc.step_was_skipped)
         if i == 2: assert torch.equal(model.weight, before)  # (nothing stepped, in every case)
     assert skipped == [False, False, not fused, False]
+
+
+def test_optimizer_cls_and_kwargs_then_named(tmp_path):
+    """`optimizer_cls_and_kwargs` builds over the Trainer's own groups of plain tensors (names are positions);
+    `trainer.create_optimizer()` then `opt.name_params(model)` keys it by FQN before training (docs/guides/huggingface.md)."""
+    model = Net()
+    args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True, weight_decay=0.01,
+                             remove_unused_columns=False, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Data(),
+                      optimizer_cls_and_kwargs=(cbopt.optim.AdamW, {'lr': 1e-2}))
+    opt = trainer.create_optimizer()
+    assert isinstance(opt, cbopt.optim.AdamW) and [g['weight_decay'] for g in opt.param_groups] == [0.01, 0.0]
+    assert sorted(opt.param_names) == ['0', '1', '2', '3']
+    opt.name_params(model)
+    assert sorted(opt.param_names) == sorted(n for n, _ in model.named_parameters())
