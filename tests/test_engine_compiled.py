@@ -129,3 +129,32 @@ def test_torch_compile_is_asked_for_one_graph_and_the_scalars_pass(monkeypatch) 
     options.pop('post_grad_custom_post_pass')(graph)  # (two independent values: one call of `scalars`)
     assert not options
     assert [str(n.target) for n in graph.nodes if str(n.target).startswith('cbopt.')] == ['cbopt.scalars.default']
+
+
+@pytest.mark.parametrize('failure', ['compiler', 'device'])
+def test_a_device_failure_is_raised_not_stepped_again_with_foreach(failure, monkeypatch) -> None:
+    """The fallback to foreach hands back the params of the chunk that raised, which only a compiler's error leaves
+    untouched: a device's failure (a CUDA launch error, `torch.AcceleratorError`) may come after some of the chunk's
+    kernels ran, so it propagates rather than stepping those params again with foreach."""
+    ps = [torch.nn.Parameter(torch.linspace(-1., 1., n)) for n in (3, 4)]
+    opt = cbopt.Optimizer(ps, [cbopt.sgd_step], lr=0.1, backend=cbopt.Backend('fused', compiler='eager'))
+    for p in ps: p.grad = torch.ones_like(p)
+    opt.step()  # (the first step of a layout runs foreach: the next one compiles)
+    err = torch.AcceleratorError('CUDA error: an illegal memory access was encountered') if failure == 'device' \
+        else RuntimeError('inductor: unsupported op')
+
+    def chain(*args, **kwargs):
+        def fn(ps, ts, pystate, hyper): raise err
+        return fn
+    fallbacks = []
+    real_foreach = compiled.foreach_bucket
+    monkeypatch.setattr(compiled, 'compiled_chain', chain)
+    monkeypatch.setattr(compiled, 'foreach_bucket', lambda *a: fallbacks.append(a) or real_foreach(*a))
+    before = [p.detach().clone() for p in ps]
+    if failure == 'device':
+        with pytest.raises(torch.AcceleratorError): opt.step()
+        assert not fallbacks
+    else:
+        with pytest.warns(UserWarning, match='could not be compiled'): opt.step()
+        assert len(fallbacks) == 1
+        for p, b in zip(ps, before): torch.testing.assert_close(p.detach(), b - 0.1, rtol=0, atol=0)

@@ -32,7 +32,7 @@ from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chu
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
-__all__ = ['compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
+__all__ = ['device_failed', 'compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
 
 
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
@@ -85,6 +85,15 @@ def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | Non
     return _COMPILED[key]
 
 
+def device_failed(e: BaseException) -> bool:
+    """Whether `e` is the device's failure (a CUDA launch or kernel error: `torch.AcceleratorError`, or a RuntimeError
+    naming CUDA's error), not the compiler's. A compiled chunk that raises it may have run some of its kernels: handing
+    its params to the foreach fallback would step them twice, so it propagates (the device is unusable anyway). A
+    compiler's error (dynamo, inductor, a setting) comes before the chunk's graph runs anything."""
+    if isinstance(e, getattr(torch, 'AcceleratorError', ())): return True
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in ('CUDA error', 'device-side assert', 'HIP error'))
+
+
 class CompileFailed(Exception):
     "The chain did not compile; `rest` is the part of the bucket that was not touched."
     def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
@@ -135,6 +144,7 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
                 if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx)
                 new_t, new_py = fn(ps, ts, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
+                if device_failed(e): raise  # (unless the device failed: a kernel may have run, see `device_failed`)
                 rest = [i for c in chunks[j:] for s in c for i in members[s]]
                 raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
             for s, nt in zip(idx, new_t):

@@ -150,16 +150,18 @@ def counters_as_numbers(opt) -> Iterator[None]:
     if not opt.__dict__.get('_counters_are_tensors'):
         yield
         return
-    held = []
+    held, by_device = [], {}
     for g in opt.param_groups:
         counters = chain_counters(param_chain(g['cbs']))
         for p in g['params']:
             st = param_states(opt).get(p)
             if not st: continue
             for k, kind in counters.items():
-                if isinstance(v := st.get(k), torch.Tensor):
-                    st[k] = kind(v.item())
-                    held.append((st, k, v))
+                if isinstance(v := st.get(k), torch.Tensor): by_device.setdefault(v.device, []).append((st, k, kind, v))
+    for entries in by_device.values():  # one read per device (on a GPU, one wait), not one per param
+        for (st, k, kind, v), n in zip(entries, torch.stack([e[3] for e in entries]).tolist()):
+            st[k] = kind(n)
+            held.append((st, k, v))
     try: yield
     finally:
         for st, k, t in held:
