@@ -19,6 +19,7 @@ the torch class's entries (`TorchParamGroup`), and a group dict's algorithm flag
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ from .callbacks.fastai import average_sqr_grad, step_stat
 from .core.chain import chain_name
 from .core.params import non_leaf_params
 from .functional import differentiable_step
+from .core.names import is_positional
+from .core.runtime import user_stacklevel
 from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
                           from_torch_names, model_entries, same_value)
 from .optimizer import Optimizer
@@ -87,6 +90,77 @@ def _torch_groups(cls: str, params: Params, names: Mapping) -> tuple[Params, lis
     return out, switches
 
 
+REPEAT_MSG = ("optimizer contains a parameter group with duplicate parameters; in future, this will cause an error; "
+              "see github.com/pytorch/pytorch/issues/40967 for more information")  # torch's words (its test matches)
+
+
+def _is_pair(o: Any) -> bool: return isinstance(o, tuple) and len(o) == 2
+
+
+def _once(params: Any, where: str) -> Any:
+    """One group's `params` (tensors, or torch's (name, tensor) pairs) as torch takes them: names on all of them or on
+    none (torch's error otherwise), and a tensor listed again dropped, warning torch's words. torch warns and keeps the
+    copy (so its loop steps that param twice, an accident it means to make an error); cbopt.optim warns as torch does
+    and steps the param once (cbopt's own classes refuse the repeat: the engine keys state by name, one name per
+    tensor). Any other form is returned as it is."""
+    if isinstance(params, (torch.Tensor, Mapping, str, bytes)) or not hasattr(params, '__iter__'): return params
+    params = list(params)
+    if len({_is_pair(o) for o in params}) > 1:  # torch's words (its test matches them)
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing "
+                         f"(in {where})")
+    seen, out = {}, []
+    for i, o in enumerate(params):
+        t = o[1] if _is_pair(o) else o
+        if isinstance(t, torch.Tensor) and id(t) in seen:
+            warnings.warn(f"{REPEAT_MSG} (cbopt.optim steps it once: {where}'s param {i} is the same tensor as its "
+                          f"param {seen[id(t)]}, dropped)", UserWarning, stacklevel=user_stacklevel())
+            continue
+        if isinstance(t, torch.Tensor): seen[id(t)] = i
+        out.append(o)
+    return out
+
+
+def _named(params: Any) -> bool | None:
+    "Whether a group's `params` (torch's forms) are named: (name, tensor) pairs; None where it cannot say."
+    if isinstance(params, torch.Tensor): return False
+    if isinstance(params, list) and params: return _is_pair(params[0])
+    return None
+
+
+def _torch_params(params: Params) -> Params:
+    """`params` (torch's forms: params, or group dicts) as torch takes them: each group through `_once`, and the groups
+    all named or none (torch's error otherwise)."""
+    if params is None or isinstance(params, (torch.Tensor, Mapping)): return params
+    params = list(params)
+    if not (params and all(isinstance(g, Mapping) and 'params' in g for g in params)):
+        return _once(params, 'the param group')
+    params = [{**g, 'params': _once(g['params'], f'param group {i}')} for i, g in enumerate(params)]
+    named = [_named(g['params']) for g in params]
+    if True in named and False in named:
+        i = next(i for i, n in enumerate(named) if n != named[0])
+        raise ValueError("all optimizer param groups should be with/without names. cannot add param group "
+                         f"{'with' if named[i] else 'without'} names to the optimizer (param group {i})")
+    return params
+
+
+def _torch_checks(cls: type, kw: Mapping, switches: Mapping) -> None:
+    """torch's constructor checks that cbopt's hyper rules word otherwise, in torch's words and order (its tests match
+    them): a `betas` entry outside [0, 1); and, for the classes whose foreach kernels take no tensor hypers (Adam,
+    AdamW: `cls.tensor_hypers_need_capturable`), a tensor `lr` or `betas` entry with `foreach=True` but not `capturable`
+    (cbopt's own classes run them in every backend)."""
+    betas = kw.get('betas')
+    betas = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else ()
+    no_tensors = cls.tensor_hypers_need_capturable and switches.get('foreach') and not switches.get('capturable')
+    if no_tensors and isinstance(kw.get('lr'), torch.Tensor):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    for i, b in enumerate(betas):
+        if isinstance(b, (int, float, torch.Tensor)) and not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    for i, b in enumerate(betas):
+        if no_tensors and isinstance(b, torch.Tensor):
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+
+
 def _switches(args: Mapping) -> dict:
     "The implementation switches among a constructor's arguments (`locals()`), as torch keeps them in every group."
     return {k: args[k] for k in _IMPL_FLAGS if k in args}
@@ -127,6 +201,7 @@ class TorchOptimizer(Optimizer):
     `state_dict(format='cbopt')` has cbopt's names. Both load back."""
     torch_group_names: dict = {}  # this class's torch names for hypers in group dicts (beyond weight_decay and betas)
     chain_hypers: tuple = ()  # cbopt hypers whose being zero or not chooses the chain (SGD's `mom`, `dampening`)
+    tensor_hypers_need_capturable = False  # torch refuses a tensor lr or betas with foreach=True unless capturable
     state_dict_format = 'torch'
     foreach_records = False  # whether torch's foreach code of this class runs with differentiable=True (SGD's does)
 
@@ -149,6 +224,7 @@ class TorchOptimizer(Optimizer):
         """Build with the recipe `make` from torch's arguments (`flags`: the algorithm flags, `switches`: the
         implementation ones, `kw`: the recipe's keywords), adopting the optimizer it returns; then each group holds
         torch's entries (`TorchParamGroup`)."""
+        _torch_checks(type(self), kw, switches or {})
         for k, v in from_torch_names(kw, {**TORCH_NAMES, **self.torch_group_names}).items():  # before the params, as torch
             if k in HYPER_RULES: check_hyper(k, v)
         betas = kw.get('betas')
@@ -157,6 +233,7 @@ class TorchOptimizer(Optimizer):
         if isinstance(params, torch.Tensor):  # torch's rule and wording (cbopt.Optimizer takes a bare tensor)
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
                             f"got {torch.typename(params)}")
+        params = _torch_params(params)
         groups, own = _torch_groups(type(self).__name__, params, self.torch_group_names)
         recipe = (make, kw, {**flags, **(switches or {})})
         for g, o in zip(groups if own else (), own):  # flags (or momentum) choosing another algorithm: its own chain
@@ -196,6 +273,11 @@ class TorchOptimizer(Optimizer):
         group's own chain (as in the constructor); the group then holds torch's entries."""
         if not isinstance(param_group, Mapping) or '_recipe' not in self.__dict__:
             return super().add_param_group(param_group)
+        if 'params' in param_group:
+            param_group = {**param_group, 'params': _once(param_group['params'], 'the added param group')}
+            if (named := _named(param_group['params'])) is not None and named == is_positional(self.param_names):
+                raise ValueError("all optimizer param groups should be with/without names. cannot add param group "
+                                 f"{'with' if named else 'without'} names to the optimizer")  # torch's words
         (g,), (own,) = _torch_groups(type(self).__name__, [param_group], self.torch_group_names)
         if key := _chain_key(type(self), self._recipe, own, g): g['cbs'] = _chain_for(self._recipe, key)
         with non_leaf_params() if self.defaults.get('differentiable') else contextlib.nullcontext():
@@ -230,6 +312,7 @@ class SGD(TorchOptimizer):
 
 class Adam(TorchOptimizer):
     "torch.optim.Adam: L2 `weight_decay` unless `decoupled_weight_decay=True` (then AdamW)."
+    tensor_hypers_need_capturable = True
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None,
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
@@ -241,6 +324,7 @@ class Adam(TorchOptimizer):
 
 class AdamW(TorchOptimizer):
     "torch.optim.AdamW: decoupled `weight_decay` (default 1e-2); torch's fused kernel runs it when it can."
+    tensor_hypers_need_capturable = True
     def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,

@@ -9,7 +9,7 @@ import torch
 from .._torch import strong_wolfe
 from ..callbacks.quasi_newton import LINE_SEARCHES, lbfgs
 from ..core.hypers import check_hyper
-from ..core.params import named_groups
+from ..core.params import check_params, named_groups
 from ..optimizer import Optimizer
 
 __all__ = ['LBFGS']
@@ -29,7 +29,10 @@ def LBFGS(params: Any, lr: float | torch.Tensor = 1, max_iter: int = 20, max_eva
     if isinstance(max_eval, bool) or not isinstance(max_eval, int) or max_eval < 1:
         raise ValueError(f"Invalid max_eval value: {max_eval} (expected an int >= 1)")
     if not isinstance(params, (torch.Tensor, Mapping)): params = list(params)  # (a generator: read once, here)
-    if len(named_groups(params)) > 1: raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
+    groups = named_groups(params)
+    if len(groups) > 1:  # (after the params' own checks, as torch: a param in two groups is that error)
+        check_params(groups)
+        raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
     opt = Optimizer(params, [lbfgs], lr=lr, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
                     tolerance_change=tolerance_change, history_size=history_size, line_search_fn=line_search_fn,
                     backend=backend)
