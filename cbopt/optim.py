@@ -41,10 +41,11 @@ from .state.formats import TORCH_CHAIN_FLAGS
 from .state.torch_format import torch_group_entries
 from .state.torch_view import TorchState
 from .recipes.fastai import _decay, maximizing
-from .callbacks.torch_optim import centered_grad_avg, torch_rmsprop_momentum_step, torch_rmsprop_step
+from .callbacks.torch_optim import (centered_grad_avg, sparse_adam_step, torch_rmsprop_momentum_step,
+                                    torch_rmsprop_step)
 
 __all__ = ['SGD', 'Adam', 'AdamW', 'RMSprop', 'RAdam', 'NAdam', 'Adagrad', 'Adadelta', 'Adamax', 'ASGD', 'Rprop',
-           'Adafactor', 'Muon', 'LBFGS']
+           'Adafactor', 'Muon', 'LBFGS', 'SparseAdam']
 
 Params = Any
 _IMPL_FLAGS = ('foreach', 'fused', 'capturable', 'differentiable')  # torch's implementation switches
@@ -471,3 +472,44 @@ class LBFGS(TorchOptimizer):
                  line_search_fn: str | None = None) -> None:
         self._build(_lbfgs_recipe, params, {}, lr=lr, max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
                     tolerance_change=tolerance_change, history_size=history_size, line_search_fn=line_search_fn)
+
+
+def _sparse_adam(params: Params, lr, betas, eps, maximize: bool, backend: str) -> Optimizer:
+    "torch's SparseAdam as a chain: `sparse_adam_step` (after `negate_grad` with `maximize`), in the loop runner."
+    return Optimizer(params, maximizing([sparse_adam_step], maximize), lr=lr, betas=betas, eps=eps, backend=backend)
+
+
+class SparseAdam(TorchOptimizer):
+    """torch.optim.SparseAdam: Adam masked to the indices of sparse grads (`nn.Embedding(sparse=True)`), torch's
+    numerics (`sparse_adam_step`); dense grads, sparse params and complex params are refused as torch refuses them.
+    It steps in the `loop` runner, as torch's steps one param at a time. State: `grad_avg`, `sqr_avg` (torch's
+    `exp_avg`, `exp_avg_sq`), `step`."""
+    def __init__(self, params: Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, maximize: bool = False) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1: raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 < lr: raise ValueError(f"Invalid learning rate: {lr}")  # (torch's words: 0 is refused too)
+        if not 0.0 < eps: raise ValueError(f"Invalid epsilon value: {eps}")
+        if params is not None and not isinstance(params, (torch.Tensor, Mapping)): params = list(params)
+        self._refuse_params(params, betas)
+        self._build(_sparse_adam, params, dict(maximize=maximize), lr=lr, betas=betas, eps=eps, maximize=maximize,
+                    backend='loop')
+
+    @staticmethod
+    def _refuse_params(params: Params, betas) -> None:
+        "torch's refusals of sparse and complex params, in its words, with the indices (group, param) it gives."
+        _torch_checks(SparseAdam, dict(betas=betas), {})
+        if params is None or isinstance(params, Mapping): return
+        groups = [params] if isinstance(params, torch.Tensor) else params
+        groups = groups if groups and all(isinstance(g, Mapping) for g in groups) else [{'params': groups}]
+        where = {'sparse': [], 'complex': []}
+        for i, g in enumerate(groups):
+            ps = g.get('params', ())
+            for j, p in enumerate([ps] if isinstance(ps, torch.Tensor) else ps):
+                p = p[1] if _is_pair(p) else p
+                if isinstance(p, torch.Tensor) and p.is_sparse: where['sparse'].append([i, j])
+                if isinstance(p, torch.Tensor) and p.is_complex(): where['complex'].append([i, j])
+        if where['sparse']:
+            raise ValueError(f"Sparse params at indices {where['sparse']}: SparseAdam requires dense parameter tensors")
+        if where['complex']:
+            raise ValueError(f"Complex params at indices {where['complex']}: SparseAdam does not support complex "
+                             "parameters")

@@ -50,7 +50,8 @@ def test_step_stats_name_the_lrs_used(backend) -> None:
 @pytest.mark.parametrize('backend', ['loop', 'foreach'])
 @pytest.mark.parametrize('bad, err, msg', [
     (lambda b: setattr(b, 'grad', torch.ones(3).to_sparse()), RuntimeError,
-     r"^param 'b' has a sparse gradient, which the chain \[.*momentum_step\] does not support \(densify it with "
+     r"^param 'b' has a sparse gradient: '\w+' in the chain \[.*momentum_step\] does not support sparse gradients "
+     r"\(densify it with "
      r"grad\.to_dense\(\), or use torch\.optim\.SparseAdam\)$"),
     (lambda b: setattr(b.grad, 'data', torch.ones(1, 3)), RuntimeError,
      r"^param 'b' has shape \(3,\) but its grad has shape \(1, 3\)$"),

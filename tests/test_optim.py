@@ -17,7 +17,9 @@ from conftest import assert_rel_close, make_model, train, two_groups
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
-INFOS = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)}
+ALL_INFOS = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)}
+INFOS = {n: info for n, info in ALL_INFOS.items() if not info.only_supports_sparse_grads}  # (dense grads: SparseAdam's
+# tests are the sparse ones below)
 N_STEPS = 5
 
 # What cbopt.optim deliberately does otherwise than torch.optim, with the reason: (class or '*', what) -> why.
@@ -32,7 +34,8 @@ DIFFERENCES = {
                                       "backend steps every group (one backend per optimizer)",
 }
 # torch's error inputs that meet a difference above, by their message: what cbopt does instead
-ERROR_DIFFERENCES = {'does not support complex': (TypeError, 'is complex.*does not support')}
+ERROR_DIFFERENCES = {'Adafactor does not support complex': (TypeError, 'is complex.*does not support'),
+                     'Muon does not support complex': (TypeError, 'is complex.*does not support')}
 
 
 def configs():
@@ -245,7 +248,7 @@ def test_torch_checkpoint_of_an_l2_class_is_rejected_by_a_decoupled_chain(torch_
 
 
 def error_inputs():
-    for name, info in INFOS.items():
+    for name, info in ALL_INFOS.items():
         for i, e in enumerate(info.optim_error_inputs_func(device='cpu', dtype=torch.float32)):
             yield pytest.param(name, e, id=f'{name}-{i}-{e.error_type.__name__}')
 
@@ -278,7 +281,7 @@ def test_error_inputs(name, err):
         with expect: opt.step()
 
 
-@pytest.mark.parametrize('name', sorted(INFOS))
+@pytest.mark.parametrize('name', sorted(ALL_INFOS))
 def test_signature_is_torchs(name):
     import inspect
     ours, theirs = (inspect.signature(getattr(mod, name).__init__) for mod in (cbopt.optim, torch.optim))
@@ -401,13 +404,17 @@ def test_fused_on_meta_params_raises_as_torch(name):
 
 
 @pytest.mark.parametrize('shape', [(), (1,), (1, 1)])
-@pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+@pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True, capturable=True), dict(fused=True)])
 def test_tensor_lr_of_any_one_element_shape(shape, impl, monkeypatch):
-    "A tensor lr of any 1-element shape steps whole buckets, in torch's fused kernel under fused (one call per step)."
+    """A tensor lr of any 1-element shape steps whole buckets, in torch's fused kernel under fused (one call per step);
+    with foreach, as torch, only with capturable=True (torch's error otherwise)."""
     calls, kernel = [], torch._fused_adamw_
     monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: (calls.append(1), kernel(*a, **k))[1])
     m, ref = _model(), _model()
     lr = torch.full(shape, 1e-2)
+    if impl.get('foreach'):
+        with pytest.raises(ValueError, match='lr as a Tensor is not supported for capturable=False and foreach=True'):
+            cbopt.optim.AdamW(m.parameters(), lr=lr, foreach=True)
     opt = cbopt.optim.AdamW(m.parameters(), lr=lr, **impl)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), foreach=False)
     _run(opt, m, N_STEPS)
@@ -463,7 +470,7 @@ def test_is_a_full_cbopt_optimizer():
 # -- the defaults table of docs/guides/torch-optim.md ------------------------------------------------------------------------------------
 RECIPES = {'SGD': 'SGD', 'Adam': 'Adam', 'AdamW': 'Adam', 'RMSprop': 'RMSProp', 'RAdam': 'RAdam', 'NAdam': 'NAdam',
            'Adagrad': 'Adagrad', 'Adadelta': 'Adadelta', 'Adamax': 'Adamax', 'ASGD': 'ASGD', 'Rprop': 'Rprop',
-           'Adafactor': 'Adafactor', 'Muon': 'Muon', 'LBFGS': 'LBFGS'}
+           'Adafactor': 'Adafactor', 'Muon': 'Muon', 'LBFGS': 'LBFGS', 'SparseAdam': None}  # (None: no cbopt recipe)
 
 
 def _defaults(f) -> str:
@@ -484,6 +491,9 @@ def defaults_table() -> str:
     rows = ['| torch.optim / cbopt.optim | its defaults | cbopt recipe (fastai names) | its defaults | fastai | its defaults |',
             '|---|---|---|---|---|---|']
     for name, recipe in RECIPES.items():
+        if recipe is None:
+            rows.append(f"| `{name}` | {_defaults(getattr(torch.optim, name).__init__)} | - | - | - | - |")
+            continue
         fa = getattr(fastai_optim, recipe, None)
         rows.append(f"| `{name}` | {_defaults(getattr(torch.optim, name).__init__)} | `cbopt.{recipe}` | "
                     f"{_defaults(getattr(cbopt, recipe))} | {'`' + recipe + '`' if fa else '-'} | {_defaults(fa) if fa else '-'} |")
@@ -740,3 +750,77 @@ def test_named_and_unnamed_groups_refused_as_torch():
     with pytest.raises(ValueError, match='cannot add param group with names'):
         unnamed.add_param_group({'params': list(m[2].named_parameters())})
     unnamed.add_param_group({'params': list(m[2].parameters())})
+
+
+SPARSE = [n for n, info in ALL_INFOS.items() if info.supports_sparse or info.only_supports_sparse_grads]
+
+
+def sparse_configs():
+    """torch's configs of the classes that take sparse grads, as torch's sparse test reads them: its `metadata_for_sparse`
+    keyword overrides (Adagrad's and SGD's `weight_decay=0`...) applied, differentiable and fused left out."""
+    for name in SPARSE:
+        info = ALL_INFOS[name]
+        updates = info.metadata_for_sparse[0]
+        for i, inp in enumerate(info.optim_inputs_func(device='cpu')):
+            kw = {k: v for k, v in inp.kwargs.items() if k not in updates and k not in ('differentiable', 'fused')}
+            if name != 'SparseAdam': kw.update(updates)
+            yield pytest.param(name, kw, id=f'{name}-{i}-{inp.desc}')
+
+
+def _sparse_grads(params, step):
+    "Batch `step`'s sparse grads: uncoalesced (an index given twice), rows 0 and 2 of 2-D params, entries of 1-D ones."
+    g = torch.Generator().manual_seed(300 + step)
+    for p in params:
+        i = torch.tensor([[0, 2, 0]])
+        p.grad = torch.sparse_coo_tensor(i, torch.randn(3, *p.shape[1:], generator=g, dtype=p.dtype), p.shape)
+
+
+@pytest.mark.parametrize('foreach', [False, True])
+@pytest.mark.parametrize('name,kwargs', list(sparse_configs()))
+def test_sparse_grads_step_as_torch(name, kwargs, foreach):
+    """Sparse grads (uncoalesced, as torch's test gives them) step as torch's class steps them, state included, bit for
+    bit (the same ops: torch's single-tensor path, which its foreach path falls back to for them), beside dense-grad
+    params in the same optimizer."""
+    if name == 'SparseAdam' and foreach: pytest.skip('SparseAdam has no foreach switch')
+    impl = {} if name == 'SparseAdam' else dict(foreach=foreach)
+    ps, ref = _model(), _model()
+    opt, twin = getattr(cbopt.optim, name)(ps.parameters(), **_kw(kwargs), **impl), \
+        getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs), **impl)
+    for step in range(N_STEPS):
+        for m, o in ((ps, opt), (ref, twin)):
+            _sparse_grads(m.parameters(), step)
+            if name != 'SparseAdam': m[2].bias.grad = m[2].bias.grad.to_dense()  # (a dense grad beside the sparse)
+            o.step()
+    assert_rel_close(ps, ref, 0, 0)
+    for p, q in zip(ps.parameters(), ref.parameters()):
+        ours, theirs = opt.state[p], twin.state[q]
+        assert sorted(ours) == sorted(theirs)
+        for k in theirs: torch.testing.assert_close(ours[k], theirs[k], rtol=0, atol=0)
+    again = getattr(torch.optim, name)(ref.parameters(), **_kw(kwargs), **impl)
+    again.load_state_dict(opt.state_dict())  # torch's class loads it
+
+
+def test_sparse_grads_refused_as_torch_and_nothing_changes():
+    """torch's refusals of sparse grads, in its words where its classes have them (Adagrad's weight decay, fused, a
+    dense grad for SparseAdam), and a chain that does not take them; each before anything is stepped."""
+    cases = [(lambda ps: cbopt.optim.Adagrad(ps, weight_decay=0.1), 'weight_decay option is not compatible'),
+             (lambda ps: cbopt.optim.Adagrad(ps, fused=True), '`fused` does not support sparse grad'),
+             (lambda ps: cbopt.optim.SGD(ps, lr=0.1, momentum=0.9), "'average_grad' .* does not support sparse"),
+             (lambda ps: cbopt.optim.Adam(ps), "'average_grad' .* does not support sparse")]
+    for make, match in cases:
+        m = _model()
+        opt, before = make(m.parameters()), copy.deepcopy(m)
+        _sparse_grads(list(m.parameters())[1:], 0)  # the first param's grad dense, stepped first
+        m[0].weight.grad = torch.ones_like(m[0].weight)
+        with pytest.raises(RuntimeError, match=match): opt.step()
+        assert_rel_close(m, before, 0, 0)
+        assert not opt.state
+    m = _model()
+    opt = cbopt.optim.SparseAdam(m.parameters())
+    _sparse_grads(m.parameters(), 0)
+    m[2].bias.grad = m[2].bias.grad.to_dense()
+    with pytest.raises(RuntimeError, match='does not support dense gradients'): opt.step()
+    assert not opt.state
+    for p in m.parameters(): p.grad = torch.ones_like(p)  # all dense: refused at the first param, which is unchanged
+    with pytest.raises(RuntimeError, match='SparseAdam does not support dense gradients'): opt.step()
+    assert not opt.state

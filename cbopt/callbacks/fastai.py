@@ -32,6 +32,7 @@ def negate_grad(p, **kwargs):
     p.grad = p.grad.neg()
 negate_grad.state = {}
 negate_grad.torch_flag = 'maximize'  # first in the chain exactly when torch's group has maximize=True
+negate_grad.sparse_grads = True  # (a sparse grad negates as one)
 
 
 def decays(wd: float, do_wd: bool) -> bool:
@@ -55,6 +56,12 @@ def l2_reg(p, lr, wd, do_wd=True, **kwargs):
     if decays(wd, do_wd): p.grad = p.grad.add(p.data, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
 l2_reg.state = {}
+
+
+def _l2_sparse(wd=0., **kwargs) -> str | None:
+    "L2 decay adds the dense param to the grad: refused for a sparse grad unless `wd` is 0 (torch's words, Adagrad's)."
+    return "weight_decay option is not compatible with sparse gradients" if wd != 0 else None
+l2_reg.sparse_grads = _l2_sparse
 
 
 def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
@@ -100,6 +107,7 @@ def sgd_step(p, lr, **kwargs):
     p.data.add_(p.grad.data, alpha=-lr)
 sgd_step.state = {}
 sgd_step.additive = True  # `p.data += update`: cbopt.kahan can compensate it
+sgd_step.sparse_grads = True  # (a dense param adds a sparse grad, as torch's SGD does)
 
 
 def momentum_step(p, lr, grad_avg, **kwargs):
@@ -133,6 +141,7 @@ def step_stat(p, step=0, **kwargs):
     return {'step': step + 1}
 step_stat.state = dict(step=0)
 step_stat.torch_state = dict(step='step')  # a tensor in torch's state_dicts, a Python int here
+step_stat.sparse_grads = True  # (it reads no grad)
 
 
 def debias(mom: float, damp: float, step: int) -> float:

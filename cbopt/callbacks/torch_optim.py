@@ -17,27 +17,78 @@ from .fastai import debias, rms_prop_step
 from ..core.chain import declared_for, per_tensor, zeros
 from ..core.dtensor import on_whole
 
-__all__ = ['sqr_grad_sum', 'adagrad_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
+__all__ = ['sqr_grad_sum', 'adagrad_step', 'sparse_adam_step', 'adadelta_step', 'inf_norm_grad', 'adamax_step', 'nadam_step', 'asgd_step',
            'rprop_step', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'muon_momentum', 'newton_schulz',
            'muon_step', 'centered_grad_avg', 'torch_rmsprop_step', 'torch_rmsprop_momentum_step']
 
 
+def _sparse_grad(p) -> torch.Tensor | None:
+    """`p`'s grad, coalesced (its repeated indices summed), if it is sparse; else None. A bucket's grads (a TensorList)
+    are never sparse (the engine steps sparse grads in the loop runner), and a bucket has no one `is_sparse`."""
+    g = p.grad
+    return g.coalesce() if isinstance(g, torch.Tensor) and g.is_sparse else None
+
+
+def _sparse(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    "A sparse tensor with the indices of the coalesced sparse `like` and these values."
+    return torch.sparse_coo_tensor(like.indices(), values, like.shape)
+
+
 def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
-    "Adagrad's running sum of squared grads, `sqr_sum`, set to `initial_accumulator_value` at the first step."
+    """Adagrad's running sum of squared grads, `sqr_sum`, set to `initial_accumulator_value` at the first step. A sparse
+    grad (coalesced: its repeated indices summed first) adds its squared values at its indices, as torch's does."""
     if sqr_sum is None: sqr_sum = torch.zeros_like(p.data)
     if step == 1: sqr_sum.fill_(initial_accumulator_value)  # torch fills it at construction: a fresh torch state loads as is
-    sqr_sum.addcmul_(p.grad.data, p.grad.data, value=1)
+    if (grad := _sparse_grad(p)) is not None: sqr_sum.add_(_sparse(grad.values().pow(2), grad))
+    else: sqr_sum.addcmul_(p.grad.data, p.grad.data, value=1)
     return {'sqr_sum': sqr_sum}
 sqr_grad_sum.defaults = dict(initial_accumulator_value=0.)
 sqr_grad_sum.state = dict(sqr_sum=zeros)
 sqr_grad_sum.torch_state = dict(sum='sqr_sum')
+sqr_grad_sum.sparse_grads = True
 
 
 def adagrad_step(p, lr, lr_decay, step, sqr_sum, eps, **kwargs):
-    "Adagrad step: RMSProp's step on the sum of squared grads, with the lr decayed as `lr / (1 + (step-1)*lr_decay)`."
-    rms_prop_step(p, lr / (1 + (step - 1) * lr_decay), sqr_sum, eps)
+    """Adagrad step: RMSProp's step on the sum of squared grads, with the lr decayed as `lr / (1 + (step-1)*lr_decay)`.
+    A sparse grad steps only the entries at its indices, as torch's Adagrad does."""
+    clr = lr / (1 + (step - 1) * lr_decay)
+    if (grad := _sparse_grad(p)) is not None:
+        std = sqr_sum.sparse_mask(grad).values().sqrt_().add_(eps)
+        p.data.add_(_sparse(grad.values() / std, grad), alpha=-clr)
+    else: rms_prop_step(p, clr, sqr_sum, eps)
 adagrad_step.defaults = dict(lr_decay=0., eps=1e-10)
 adagrad_step.state = {}
+adagrad_step.sparse_grads = True
+
+
+def sparse_adam_step(p, lr, mom, sqr_mom, eps, step=0, grad_avg=None, sqr_avg=None, **kwargs):
+    """torch's SparseAdam (`torch.optim._functional.sparse_adam`), op for op: Adam masked to the indices of the sparse
+    grad (coalesced), its moments `grad_avg`, `sqr_avg` updated there only; an empty grad counts a step and changes
+    nothing else. It takes sparse grads only (`sparse_grads = 'only'`: a dense one is refused, as torch's is), and counts
+    its own steps, so that the refusal comes before anything changes."""
+    grad = _sparse_grad(p)
+    if grad is None:
+        raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
+    if grad_avg is None: grad_avg = torch.zeros_like(p.data)
+    if sqr_avg is None: sqr_avg = torch.zeros_like(p.data)
+    step += 1
+    values = grad.values()
+    if values.numel():
+        old_avg, old_sqr = grad_avg.sparse_mask(grad).values(), sqr_avg.sparse_mask(grad).values()
+        avg_update = values.sub(old_avg).mul_(1 - mom)  # old += (1 - b) * (new - old), at the grad's indices
+        sqr_update = values.pow(2).sub_(old_sqr).mul_(1 - sqr_mom)
+        grad_avg.add_(_sparse(avg_update, grad))
+        sqr_avg.add_(_sparse(sqr_update, grad))
+        denom = sqr_update.add_(old_sqr).sqrt_().add_(eps)
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        step_size = lr * math.sqrt(1 - sqr_mom ** step) / (1 - mom ** step)
+        p.data.add_(_sparse(-step_size * avg_update.add_(old_avg).div_(denom), grad))
+    return {'step': step, 'grad_avg': grad_avg, 'sqr_avg': sqr_avg}
+sparse_adam_step.defaults = dict(mom=0.9, sqr_mom=0.999, eps=1e-8)
+sparse_adam_step.state = dict(step=0, grad_avg=zeros, sqr_avg=zeros)
+sparse_adam_step.torch_state = dict(step='step', exp_avg='grad_avg', exp_avg_sq='sqr_avg')
+sparse_adam_step.sparse_grads = 'only'
+sparse_adam_step.supports_complex = False
 
 
 def adadelta_step(p, lr, sqr_mom, eps, sqr_avg, delta_sqr_avg=None, **kwargs):

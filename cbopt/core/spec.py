@@ -23,6 +23,10 @@ style is how users declare; `spec(cb)` is how cbopt reads it, checked, into a `C
   the group's mode is its `train_mode` hyper);
 - `cb.supports_complex = False`: its math is not elementwise on a complex param's (real, imaginary) pairs, which is
   how every backend steps complex params (`engine.buckets.as_real`): an optimizer listing it refuses complex params;
+- `cb.sparse_grads = True`: it steps a param whose grad is sparse (`nn.Embedding(sparse=True)`), as torch's
+  single-tensor code does; `'only'`: it steps only such params (torch's SparseAdam); a function of the hypers giving
+  the reason it cannot with these hypers, or None (L2 decay at a nonzero `wd`). A sparse grad steps in the `loop`
+  runner, and only where every per-param callback of the chain takes it (`engine.dispatch.check_grads`);
 - `cb.torch_names = dict(etas=('etaminus', 'etaplus'))`: torch.optim's group entries for the hypers it reads, where
   they are not the common ones (`core.hypers.TORCH_HYPER_NAMES`), so that torch's state_dict loads them;
 - `cb.torch_state = dict(momentum_buffer='grad_avg')`: torch.optim's names for the state it creates or reads (torch
@@ -136,6 +140,9 @@ class CallbackSpec:
     "`cb.on_eval`: run on each param with state by `opt.eval()` (`Optimizer.train`; schedule-free). Default: None."
     supports_complex: bool = True
     "`cb.supports_complex`: False refuses complex params (`optimizer._check_complex`). Default: True."
+    sparse_grads: bool | str | Callable = False
+    """`cb.sparse_grads`: True (it steps a param with a sparse grad), 'only' (only such params), or a function of the
+    hypers giving why it cannot with them (or None) (`engine.dispatch.check_grads`). Default: False."""
     torch_names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     """`cb.torch_names`, torch's group entry -> the hyper(s) it holds, beside `core.hypers.TORCH_HYPER_NAMES`
     (`state.formats.torch_hyper_names`). Default: none."""
@@ -252,8 +259,11 @@ def _read(f: Callable, own: Mapping) -> CallbackSpec:
     torch_flag = read('torch_flag')
     if torch_flag is not None and not isinstance(torch_flag, str):
         raise bad('torch_flag', f"expected the name of a torch flag (str), got {type(torch_flag).__name__}")
+    sparse = read('sparse_grads')
+    if sparse is not None and not (isinstance(sparse, bool) or sparse == 'only' or callable(sparse)):
+        raise bad('sparse_grads', "expected True, False, 'only' or a function of the hypers")
     out = CallbackSpec(
-        name=name, defaults=defaults, state=state, scope=scope,
+        name=name, sparse_grads=False if sparse is None else sparse, defaults=defaults, state=state, scope=scope,
         transient=names('transient'), shared=names('shared'), additive=flag('additive', False),
         on_train=function('on_train'), on_eval=function('on_eval'), supports_complex=flag('supports_complex', True),
         torch_names=mapping('torch_names', lambda x: is_name(x) or (isinstance(x, tuple) and all(map(is_name, x))),

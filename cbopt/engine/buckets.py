@@ -22,7 +22,7 @@ from ..core.dtensor import layout_key
 from ..core.tensorlist import TensorList
 from ..core.runtime import param_states, runtime
 
-__all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'stand_in', 'bucket_state', 'write_state',
+__all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'is_sparse', 'SPARSE', 'stand_in', 'bucket_state', 'write_state',
            'cache_chunks', 'model_buckets', 'as_real']
 
 
@@ -79,6 +79,14 @@ def _bucket_key(gi: int, p, st: dict, by_rank: bool) -> tuple:
     return (gi, p.device, p.dtype, layout_key(p), _state_key(st), p.ndim if by_rank else None)
 
 
+SPARSE = 'sparse'  # the last entry of the key of a bucket of params with sparse grads (which the loop runner steps)
+
+
+def is_sparse(b: Bucket) -> bool:
+    "Whether `b` holds params with sparse grads (`on_odd_grad` let them pass): the loop runner steps them, as torch's."
+    return b.params[0].grad.is_sparse
+
+
 def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
     "`buckets`, by their keys."
     out, state = {}, param_states(opt)
@@ -86,9 +94,11 @@ def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
         by_rank = chain_scope(g['cbs']) == 'tensor'  # such a chain may keep state by rank (`chain.declared_for`)
         for p in g['params']:
             if p.grad is None: continue
-            if on_odd_grad is not None and grad_is_odd(p): on_odd_grad(opt)
+            odd = on_odd_grad is not None and grad_is_odd(p)
+            if odd: on_odd_grad(opt)
             st = state[p]
             key = _bucket_key(gi, p, st, by_rank)
+            if odd and p.grad.is_sparse: key += (SPARSE,)  # (a key of 7: the plan is made again at each step)
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
             if b is None: b = out[key] = Bucket(g, [], [])
@@ -125,7 +135,8 @@ class BucketPlan:
         self.state = param_states(opt)
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]
-        plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked)
+        plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked;
+        self.sparse = any(k[-1] == SPARSE for k in self.keys)  # no sparse grads: their metadata is not strides')
         ts = self._tensors(opt) if plain else None
         self.guard = None if ts is None else metadata_guard(ts)
 

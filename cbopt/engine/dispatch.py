@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..core.chain import chain_counters, chain_name, param_chain
+from ..core.hypers import Hypers
+from ..core.spec import cb_name, spec
 from . import buckets as bucketing
 from .auto import auto_bucket
 from .buckets import Bucket, as_real
@@ -17,7 +19,8 @@ from .kernels import torch_kernel
 from .scaling import scale_grads, unscale_grads
 from ..core.runtime import param_states, runtime
 
-__all__ = ['RUNNERS', 'check_grads', 'run_buckets', 'HOST_READ_DEVICES', 'read_on_host', 'kernel_step_on_device', 'counts_as_numbers']
+__all__ = ['RUNNERS', 'check_grads', 'sparse_refusal', 'run_buckets', 'HOST_READ_DEVICES', 'read_on_host',
+           'kernel_step_on_device', 'counts_as_numbers']
 
 
 def _fused(opt, b: Bucket, hyper: Mapping) -> None:
@@ -28,19 +31,49 @@ def _fused(opt, b: Bucket, hyper: Mapping) -> None:
 RUNNERS: dict[str, Callable] = {'loop': loop_bucket, 'foreach': foreach_bucket, 'fused': _fused, 'auto': auto_bucket}
 
 
+def sparse_refusal(g: Mapping) -> str | None:
+    """Why the group's chain cannot step a param with a sparse grad (None: it can): a per-param callback that does not
+    declare `sparse_grads` (`cbopt.core.spec`), or one whose declaration refuses these hypers (torch's words)."""
+    hyper = None
+    for cb in param_chain(g['cbs']):
+        ok = spec(cb).sparse_grads
+        if ok is True or ok == 'only': continue
+        if callable(ok):
+            if hyper is None: hyper = Hypers(g).snapshot()
+            if why := ok(**hyper): return why
+            continue
+        return f"{cb_name(cb)!r} in the chain [{chain_name(g['cbs'])}] does not support sparse gradients"
+    return None
+
+
 def check_grads(opt) -> None:
     """Before anything changes, refuse what no chain can step: a grad of another shape than its param, a grad that
-    is not a floating-point tensor of the param's kind, a sparse grad (no cbopt callback supports one, as torch's Adam
-    does not). The error names the param, and nothing is stepped: a step is all or nothing. Without whole-model
-    callbacks it is called only when bucketing (which reads every grad anyway) meets an odd grad, so that a normal step
-    pays for one more test per param, not another pass."""
+    is not a floating-point tensor of the param's kind, a sparse grad that the chain does not take (`sparse_refusal`;
+    Adagrad's and plain SGD's take one, as torch's do, and the loop runner steps it; torch's fused kernels take none),
+    a dense grad where the chain takes only sparse ones (SparseAdam). The error names the param, and nothing is
+    stepped: a step is all or nothing. Without whole-model callbacks it is called only when bucketing (which reads every
+    grad anyway) meets an odd grad, so that a normal step pays for one more test per param, not another pass."""
     for g in opt.param_groups:
+        why, only = False, None
         for name, p in zip(g['param_names'], g['params']):
             grad = p.grad
             if grad is None: continue
             if grad.is_sparse:
-                raise RuntimeError(f"param {name!r} has a sparse gradient, which the chain [{chain_name(g['cbs'])}] does "
-                                   "not support (densify it with grad.to_dense(), or use torch.optim.SparseAdam)")
+                if opt.backend_options.kind == 'fused':  # torch's words (its Adagrad's), then which param
+                    raise RuntimeError(f"`fused` does not support sparse grad: param {name!r} has a sparse gradient "
+                                       "(use foreach=False, or another backend)")
+                if why is False: why = sparse_refusal(g)
+                if why is not None:
+                    raise RuntimeError(f"param {name!r} has a sparse gradient: {why} (densify it with grad.to_dense(), "
+                                       "or use torch.optim.SparseAdam)")
+                if p.is_complex(): raise RuntimeError(f"param {name!r} is complex: its sparse gradient is not supported")
+                if grad.shape != p.shape:
+                    raise RuntimeError(f"param {name!r} has shape {tuple(p.shape)} but its grad has shape {tuple(grad.shape)}")
+                continue
+            if only is None: only = next((cb for cb in param_chain(g['cbs']) if spec(cb).sparse_grads == 'only'), False)
+            if only:
+                raise RuntimeError(f"param {name!r} has a dense gradient: {cb_name(only)!r} does not support dense "
+                                   "gradients (as torch's SparseAdam does not), please consider Adam instead")
             if grad.shape != p.shape:
                 raise RuntimeError(f"param {name!r} has shape {tuple(p.shape)} but its grad has shape {tuple(grad.shape)}")
             if grad.dtype.is_floating_point != p.dtype.is_floating_point or grad.is_complex() != p.is_complex():
@@ -56,6 +89,13 @@ def _check_fused_devices(buckets) -> None:
             raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices "
                                f"(not 'meta'): param {name!r} is on the meta device; materialise the model first "
                                "(model.to_empty(device=...))")
+
+
+def _sparse_aware(run: Callable) -> Callable:
+    "`run`, but the loop runner for a bucket of params with sparse grads (torch's single-tensor path takes them)."
+    def run_or_loop(opt, b: Bucket, hyper: Mapping) -> None:
+        (loop_bucket if bucketing.is_sparse(b) else run)(opt, b, hyper)
+    return run_or_loop
 
 
 def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | None = None,
@@ -78,11 +118,13 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
         return
     run = RUNNERS[kind]
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
+    if runtime(opt).bucket_plan.sparse: run = _sparse_aware(run)
     if kind == 'fused': _check_fused_devices(buckets)
     for b in buckets:
         hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
         with as_real(b) as b:  # complex params step as torch's do: on their real views
-            if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto'):
+            if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto') and not (
+                    run is not RUNNERS[kind] and bucketing.is_sparse(b)):
                 if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
                     kernel()
                     continue
@@ -108,6 +150,7 @@ def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss
     if opt.backend_options.kind not in ('auto', 'fused') or read_on_host(found_inf): return False
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return False
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads)
+    if runtime(opt).bucket_plan.sparse: return False  # (sparse grads step in the loop runner)
     if opt.backend_options.kind == 'fused': _check_fused_devices(buckets)
     runs = []
     for b in buckets:

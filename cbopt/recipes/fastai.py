@@ -74,7 +74,7 @@ def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., 
     Kahan-compensated updates for bf16/fp16 params (torch-optimi's; see `cbopt.kahan`)."""
     if nesterov and (mom == 0 or dampening != 0): raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     cbs = sgd_chain(decouple_wd, mom != 0, dampening != 0, nesterov)
-    extra = dict(dampening=dampening) if dampening != 0 else {}
+    extra = dict(dampening=dampening) if dampening != 0 and mom != 0 else {}  # (no momentum: torch ignores it too)
     return Optimizer(params, maximizing(kahan_chain(cbs, kahan_sum), maximize), lr=lr, mom=mom, wd=wd, **extra,
                      backend=backend)
 

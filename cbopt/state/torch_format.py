@@ -15,7 +15,7 @@ from ..core.spec import spec
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, foreign_state_keys,
                       torch_hyper_names, torch_model_entries, torch_state_names)
 from .save import torch_state_dict
-from .torch_view import torch_scalar
+from .torch_view import PYTHON_STEPS, torch_scalar
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -57,7 +57,9 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
                     raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
                                      f"{what}'s algorithm")
             torch_group = {**g, **groups[-1]}  # (its `fused`, `capturable`: where torch keeps its step)
-            out = {names.get(k, k): torch_scalar(v, p, torch_group) if k in counters else v for k, v in algo.items()}
+            numbers = cls.__name__ in PYTHON_STEPS
+            out = {names.get(k, k): torch_scalar(v, p, torch_group) if k in counters and not numbers else v
+                   for k, v in algo.items()}
             if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
                 raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "
                                  f"chain does not count steps (cbopt.optim.{cls.__name__} does)")

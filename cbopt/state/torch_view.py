@@ -24,7 +24,7 @@ from ..core.runtime import param_states
 from ..core.spec import spec
 from .formats import torch_state_names
 
-__all__ = ['TorchState', 'TorchParamState', 'StateNames', 'state_names', 'torch_scalar']
+__all__ = ['TorchState', 'TorchParamState', 'StateNames', 'state_names', 'torch_scalar', 'PYTHON_STEPS']
 
 
 class StateNames(NamedTuple):
@@ -44,6 +44,9 @@ def state_names(cbs: tuple) -> StateNames:
                       extras)
 
 
+PYTHON_STEPS = frozenset({'SparseAdam'})  # torch classes that keep their step count a Python int
+
+
 def torch_scalar(v: Any, p: torch.Tensor, group: Mapping) -> torch.Tensor:
     """A number of a param's state (its step count, ASGD's `eta`) as torch's optimizers keep it: a 0-d tensor of torch's
     scalar dtype (float32; float64 when that is the default dtype, as torch's `_get_scalar_dtype`; float32 with
@@ -58,10 +61,10 @@ def torch_scalar(v: Any, p: torch.Tensor, group: Mapping) -> torch.Tensor:
 class TorchParamState(MutableMapping):
     """One param's state by torch's names (see the module docstring), over the engine's dict `raw`. cbopt's names
     are read and written too (as aliases), but never listed."""
-    __slots__ = ('raw', 'names', 'p', 'group')
+    __slots__ = ('raw', 'names', 'p', 'group', 'numbers')
 
-    def __init__(self, raw: dict, names: StateNames, p: torch.Tensor, group: Mapping):
-        self.raw, self.names, self.p, self.group = raw, names, p, group
+    def __init__(self, raw: dict, names: StateNames, p: torch.Tensor, group: Mapping, numbers: bool = False):
+        self.raw, self.names, self.p, self.group, self.numbers = raw, names, p, group, numbers  # numbers: PYTHON_STEPS
 
     def _extras(self) -> dict:
         if not self.names.extras or 'step' not in self.raw: return {}
@@ -75,7 +78,7 @@ class TorchParamState(MutableMapping):
             if k in extra: return torch_scalar(extra[k], self.p, self.group)
             raise KeyError(k)
         v = self.raw[ours]
-        return torch_scalar(v, self.p, self.group) if ours in self.names.counters else v
+        return torch_scalar(v, self.p, self.group) if ours in self.names.counters and not self.numbers else v
 
     def __setitem__(self, k: str, v: Any) -> None:
         ours = self.names.from_torch.get(k, k)
@@ -130,7 +133,7 @@ class TorchState(MutableMapping):
     def _view(self, p: torch.Tensor, raw: Any) -> Any:
         g = _group_of(self.opt, p) if isinstance(p, torch.Tensor) else None
         if g is None: return raw  # (not a param of the optimizer, or an entry that is no param's: as it is)
-        return TorchParamState(raw, state_names(tuple(g['cbs'])), p, g)
+        return TorchParamState(raw, state_names(tuple(g['cbs'])), p, g, type(self.opt).__name__ in PYTHON_STEPS)
 
     def __getitem__(self, p: torch.Tensor) -> Mapping: return self._view(p, param_states(self.opt)[p])
 
