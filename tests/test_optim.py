@@ -824,3 +824,23 @@ def test_sparse_grads_refused_as_torch_and_nothing_changes():
     for p in m.parameters(): p.grad = torch.ones_like(p)  # all dense: refused at the first param, which is unchanged
     with pytest.raises(RuntimeError, match='SparseAdam does not support dense gradients'): opt.step()
     assert not opt.state
+
+
+def test_lbfgs_state_shows_its_history_as_torchs():
+    """`opt.state` of cbopt.optim.LBFGS is torch's LBFGS's: empty before the first step, then the history (kept in the
+    group's entries) under the first param by torch's names, with torch's values (but torch's scratch `al`), the other
+    params listing nothing; an entry written there reaches the group, as the step reads it."""
+    m, ref = _model(), _model()
+    opt, twin = cbopt.optim.LBFGS(m.parameters(), max_iter=4), torch.optim.LBFGS(ref.parameters(), max_iter=4)
+    assert len(opt.state) == len(twin.state) == 0 and not opt.state[next(m.parameters())]
+    for step in range(3): _run(opt, m, 1, start=step), _run(twin, ref, 1, start=step)
+    first, theirs = next(m.parameters()), twin.state[next(ref.parameters())]
+    assert len(opt.state) == len(twin.state) == 1 and list(opt.state) == [first]
+    ours = opt.state[first]
+    assert sorted(ours) == sorted(k for k in theirs if k != 'al')
+    for k in ours:
+        a, b = ours[k], theirs[k]
+        a, b = (list(map(torch.as_tensor, x)) if isinstance(x, list) else torch.as_tensor(x) for x in (a, b))
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, check_dtype=False)  # (cbopt keeps `ro`, `t` floats)
+    ours['n_iter'] = 7
+    assert opt.param_groups[0]['lbfgs.n_iter'] == 7 and opt.state_dict()['state'][0]['n_iter'] == 7

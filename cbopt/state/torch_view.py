@@ -6,7 +6,9 @@ and compiled chains read at every step. torch code (DCP's flattened state_dicts,
 view over the engine's own dicts (`cbopt.core.runtime.param_states`): the names come from what the group's callbacks
 declare (`cb.torch_state`, `cb.torch_extra_state`: `formats.torch_state_names`, as a torch state_dict is read and
 written with), resolved once per chain, so the renaming costs a step nothing: only a read or a write through the view
-pays for it. Tensors are the engine's own (an in-place change through the view reaches the step); `step` (and ASGD's
+pays for it. A chain's whole-model state that torch keeps under a group's first param (L-BFGS's history, kept by
+cbopt in the group's entries `'lbfgs.*'`) is shown there by torch's names once the group has stepped, and written back
+to the group. Tensors are the engine's own (an in-place change through the view reaches the step); `step` (and ASGD's
 `eta`, `mu`, which cbopt computes from it) are made as torch keeps them when read, and written back as the engine's
 numbers.
 """
@@ -18,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.chain import cached, chain_counters, param_chain
+from ..core.chain import cached, chain_counters, is_model_cb, model_key, param_chain
 from ..core.hypers import Hypers
 from ..core.runtime import param_states
 from ..core.spec import spec
@@ -33,6 +35,9 @@ class StateNames(NamedTuple):
     to_torch: dict
     counters: dict
     extras: tuple  # functions of the state and hypers giving entries torch keeps and cbopt computes (ASGD's eta, mu)
+    # torch's name -> (the group entry, its initial value) of whole-model state torch keeps under a group's first param
+    # (`cb.torch_model_state`: L-BFGS's history)
+    model: dict = {}
 
 
 @cached(maxsize=256)
@@ -40,8 +45,20 @@ def state_names(cbs: tuple) -> StateNames:
     "The torch names of the chain `cbs`' state, as its callbacks declare them: resolved once per chain."
     from_torch = torch_state_names(cbs)
     extras = tuple(f for cb in cbs if (f := spec(cb).torch_extra_state) is not None)
+    model = {theirs: (model_key(cb, ours), spec(cb).state.get(ours)) for cb in cbs if is_model_cb(cb)
+             for theirs, ours in spec(cb).torch_model_state.items() if ours is not None}
     return StateNames(from_torch, {ours: theirs for theirs, ours in from_torch.items()}, chain_counters(param_chain(cbs)),
-                      extras)
+                      extras, model)
+
+
+def _model_view(names: StateNames, group: Mapping) -> dict:
+    """The whole-model state torch keeps under the group's first param, by torch's names (L-BFGS's `func_evals`, `d`,
+    `old_dirs`...), once the group has stepped (an entry off its initial value: before, torch's state is empty too);
+    entries not made yet (None) are left out, as torch has not made them."""
+    values = {theirs: group.get(key, first) for theirs, (key, first) in names.model.items()}
+    if all(v is first or (type(v) in (int, float) and v == first) or (isinstance(v, (list, tuple)) and not v and not first)
+           for v, (_, first) in zip(values.values(), names.model.values())): return {}
+    return {k: v for k, v in values.items() if v is not None}
 
 
 PYTHON_STEPS = frozenset({'SparseAdam'})  # torch classes that keep their step count a Python int
@@ -61,12 +78,14 @@ def torch_scalar(v: Any, p: torch.Tensor, group: Mapping) -> torch.Tensor:
 class TorchParamState(MutableMapping):
     """One param's state by torch's names (see the module docstring), over the engine's dict `raw`. cbopt's names
     are read and written too (as aliases), but never listed."""
-    __slots__ = ('raw', 'names', 'p', 'group', 'numbers')
+    __slots__ = ('raw', 'names', 'p', 'group', 'numbers', 'first')
 
     def __init__(self, raw: dict, names: StateNames, p: torch.Tensor, group: Mapping, numbers: bool = False):
         self.raw, self.names, self.p, self.group, self.numbers = raw, names, p, group, numbers  # numbers: PYTHON_STEPS
+        self.first = bool(names.model) and group['params'][0] is p  # (it shows the group's whole-model state)
 
     def _extras(self) -> dict:
+        if self.first: return _model_view(self.names, self.group)
         if not self.names.extras or 'step' not in self.raw: return {}
         values = {**Hypers(self.group).snapshot(), **self.raw}
         return {k: v for f in self.names.extras for k, v in f(**values).items()}
@@ -75,7 +94,7 @@ class TorchParamState(MutableMapping):
         ours = self.names.from_torch.get(k, k)
         if ours not in self.raw:
             extra = self._extras()
-            if k in extra: return torch_scalar(extra[k], self.p, self.group)
+            if k in extra: return extra[k] if self.first else torch_scalar(extra[k], self.p, self.group)
             raise KeyError(k)
         v = self.raw[ours]
         return torch_scalar(v, self.p, self.group) if ours in self.names.counters and not self.numbers else v
@@ -85,6 +104,7 @@ class TorchParamState(MutableMapping):
         if ours in self.names.counters:  # the engine's counter: a number of its declared type (a tensor, if traced)
             if isinstance(cur := self.raw.get(ours), torch.Tensor): cur.fill_(float(v))
             else: self.raw[ours] = self.names.counters[ours](v.item() if isinstance(v, torch.Tensor) else v)
+        elif self.first and k in self.names.model: self.group[self.names.model[k][0]] = v  # (the group's entry)
         elif k in self._extras(): return  # (computed from the step count and hypers: nothing to keep)
         else: self.raw[ours] = v
 
@@ -98,7 +118,8 @@ class TorchParamState(MutableMapping):
     def __len__(self) -> int: return len(self.raw) + len(self._extras())
 
     def __contains__(self, k: object) -> bool:
-        return self.names.from_torch.get(k, k) in self.raw or (bool(self.names.extras) and k in self._extras())
+        return self.names.from_torch.get(k, k) in self.raw or ((bool(self.names.extras) or self.first) and
+                                                              k in self._extras())
 
     def __repr__(self) -> str: return repr(dict(self.items()))
 
@@ -119,6 +140,12 @@ def _group_of(opt, p: torch.Tensor) -> Mapping | None:
 def _listed(k: Any, st: Any) -> bool:
     "Whether `opt.state` lists the entry: a param with state, or an entry that is no param's (a state_dict hook's)."
     return bool(st) or not isinstance(k, torch.Tensor)
+
+
+def _holding_model_state(opt) -> set:
+    "The ids of the first params of groups whose whole-model state torch keeps under them and that have stepped."
+    return {id(g['params'][0]) for g in opt.param_groups
+            if g['params'] and (names := state_names(tuple(g['cbs']))).model and _model_view(names, g)}
 
 
 class TorchState(MutableMapping):
@@ -154,10 +181,13 @@ class TorchState(MutableMapping):
         raw[p] = new
 
     def __delitem__(self, p: torch.Tensor) -> None: del param_states(self.opt)[p]
-    def __iter__(self) -> Iterator[torch.Tensor]: return (p for p, st in param_states(self.opt).items() if _listed(p, st))
-    def __len__(self) -> int: return sum(1 for p, st in param_states(self.opt).items() if _listed(p, st))
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        firsts = _holding_model_state(self.opt)
+        return (p for p, st in param_states(self.opt).items() if _listed(p, st) or id(p) in firsts)
+
+    def __len__(self) -> int: return sum(1 for _ in self)
 
     def __contains__(self, p: object) -> bool:
         raw = param_states(self.opt)
-        return p in raw and _listed(p, raw[p])
+        return p in raw and (_listed(p, raw[p]) or id(p) in _holding_model_state(self.opt))
     def __repr__(self) -> str: return repr({p: self[p] for p in self})
