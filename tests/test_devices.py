@@ -99,19 +99,24 @@ def test_lbfgs_checkpoint_read_on_the_cpu_resumes_on_the_device(device):
     assert_rel_close(twin, m, rtol=0, atol=0)
 
 
-def test_grad_scaler_follows_torch(device):
-    "Under `torch.amp.GradScaler`, cbopt's Adam steps as torch's fused AdamW does under its own scaler."
+@pytest.mark.parametrize('backend', ['auto', 'fused'])
+def test_grad_scaler_follows_torch(backend, device):
+    """Under `torch.amp.GradScaler`, with an inf grad at one step, cbopt's Adam steps as torch's fused AdamW does under
+    its own scaler (`fused`: GradScaler's flag handed to torch's kernel, on a GPU never read on the host)."""
     m, ref = on(device, make_model()), on(device, make_model())
-    opt = cbopt.Adam(m.parameters(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-8, wd=0.1)
+    opt = cbopt.Adam(m.parameters(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-8, wd=0.1, backend=backend)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, fused=True)
     for model, o in ((m, opt), (ref, ref_opt)):
         scaler = torch.amp.GradScaler(device.type, init_scale=2. ** 10)
-        for i in range(5):
+        for i in range(6):
             o.zero_grad()
             scaler.scale(batch_loss(model, i)).backward()
+            if i == 3: model[2].bias.grad[0] = float('inf')
             scaler.step(o)
             scaler.update()
     assert_rel_close(m, ref, rtol=1e-5, atol=1e-7)
+    sd, theirs = opt.state_dict()['state'], ref_opt.state_dict()['state']
+    assert [s['step'] for s in sd.values()] == [int(s['step']) for s in theirs.values()]  # (the inf step not counted)
 
 
 def test_in_backward_steps_as_after_backward(device):

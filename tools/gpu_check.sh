@@ -4,13 +4,14 @@
 #      bf16, checkpoints read on the CPU, GradScaler, InBackward, functional, compiled, no host sync per step with
 #      torch.cuda.set_sync_debug_mode('error'); and the bench's own GPU test);
 #   2. `python -m cbopt bench --device cuda` on GPT-2 small's param set (Adam and Lion, fp32 and bf16, clipping,
-#      peak memory), whose bench.json/bench.md go to the README's tables and docs/performance.md.
+#      peak memory; the catalogue's AdamW and Lion against their references: torch's AdamW, and lion-pytorch where
+#      carried), whose bench.json/bench.md go to the README's tables and docs/performance.md.
 # Everything is written under $OUT (the device tool's folder; ./gpu_check_out elsewhere): tests.log, bench.log and
 # bench/bench.{json,md,png}.
 #
 # Before the call, here (the GPU image has torch but not fastcore, and nothing can be fetched there):
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl fastcore
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl fastcore lion-pytorch
 # then run it with carry=['.whl'] and command `bash tools/gpu_check.sh` (timeout_s 600: the tests are capped at
 # TEST_TIMEOUT seconds, the bench at BENCH_TIMEOUT). On the CPU it runs too (the CUDA tests skip, with the reason):
 #   TEST_TIMEOUT=120 BENCH_ARGS='--quick --only adam' bash tools/gpu_check.sh
@@ -30,13 +31,13 @@ $PY -c "import torch, cbopt; print('torch', torch.__version__, '| cuda', torch.c
 torch.cuda.get_device_name() if torch.cuda.is_available() else '-', '| cbopt', cbopt.__version__)" \
   || { echo "cbopt does not import: carry its missing packages as wheels (see the top of this script)"; exit 1; }
 
-echo "== 1. tests on the GPU (at most ${TEST_TIMEOUT:-300} s)"
-timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -o addopts='' -p no:cacheprovider -p no:randomly -q -rfs --durations=10 \
+echo "== 1. tests on the GPU (at most ${TEST_TIMEOUT:-260} s)"
+timeout "${TEST_TIMEOUT:-260}" $PY -m pytest -o addopts='' -p no:cacheprovider -p no:randomly -q -rfs --durations=10 \
   tests/test_devices.py "tests/test_bench.py::test_cuda_bench_times_fp32_and_bf16" ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
 tests=$?
 
-echo "== 2. the bench (at most ${BENCH_TIMEOUT:-240} s)"
-timeout "${BENCH_TIMEOUT:-240}" $PY -m cbopt bench ${BENCH_ARGS:---device cuda --only adam,lion,clip} --out "$OUT/bench" \
+echo "== 2. the bench (at most ${BENCH_TIMEOUT:-280} s)"
+timeout "${BENCH_TIMEOUT:-280}" $PY -m cbopt bench ${BENCH_ARGS:---device cuda --only adam,lion,clip,catalogue --optimizers AdamW,Lion} --out "$OUT/bench" \
   2>&1 | tee "$OUT/bench.log"
 bench=$?
 echo "== tests exit $tests, bench exit $bench"
