@@ -47,14 +47,16 @@ def _check_read(names: Iterable[str], chains: Iterable, where: str, carry: bool 
     """Refuse hypers that no callback reads (and are not fastai's standard ones): they would be silently ignored.
     `carry` (a group dict's keys): a key no callback reads is a framework's own entry (timm's `lr_scale`, `use_fallback`),
     kept in the group, saved and loaded untouched as torch keeps it, unless it looks like a hyper: a name cbopt or
-    torch.optim knows as one (`amsgrad`: it would change the math elsewhere, not here), or one close to a name the
-    chain reads (`wdd`, `weight_decy`: a misspelling). The optimizer's own keywords are always checked."""
+    torch.optim knows as one (`amsgrad`: it would change the math elsewhere, not here), or one within a letter or two
+    of a name the chain reads (`wdd`, `weight_decy`: a misspelling; difflib's similarity of at least 0.8). The optimizer's own keywords are always checked."""
     reads = set(STANDARD_HYPERS).union(*(chain_reads(c) for c in chains))
     for k in names:
         if k in reads or k in NOT_HYPERS or k in ALIASES or is_model_entry(k): continue
         torch_names = {t for t, c in TORCH_HYPER_NAMES.items() if reads.issuperset(c if isinstance(c, tuple) else (c,))}
         close = difflib.get_close_matches(k, sorted(reads | torch_names), n=2)
-        if carry and not close and not is_known_hyper(k): continue
+        # (a misspelling is one or two letters off: `wdd`, `sqr_mon`, `weight_decy`; timm's `lr_scale` is not
+        # Adagrad's `lr_decay`, at a similarity of 0.62)
+        if carry and not difflib.get_close_matches(k, close, n=1, cutoff=0.8) and not is_known_hyper(k): continue
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"the callbacks read {sorted(reads)}"
         raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 

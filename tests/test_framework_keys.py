@@ -99,6 +99,10 @@ def test_misspelt_and_foreign_hypers_refused():
         opt.add_param_group({'params': model[1].parameters(), 'sqr_mon': 0.9})
     opt.add_param_group({'params': model[1].parameters(), 'layer_id': 3})  # (a framework's: carried)
     assert opt.param_groups[1]['layer_id'] == 3
+    ada = cbopt.optim.Adagrad([{'params': model.parameters(), 'lr_scale': 0.5}])  # (not a misspelt lr_decay)
+    assert ada.state_dict()['param_groups'][0]['lr_scale'] == 0.5
+    with pytest.raises(TypeError, match=r"hyper 'lr_decy' \(group 0\).*did you mean 'lr_decay'"):
+        cbopt.optim.Adagrad([{'params': model.parameters(), 'lr_decy': 0.5}])
 
 
 def test_other_algorithms_state_refused():

@@ -70,13 +70,15 @@ def test_register_names_and_infos():
     assert sgd.has_momentum and not sgd.has_betas
     lion = default_registry.get_optimizer_info('cboptlion')  # (a recipe: betas are its mom, sqr_mom)
     assert lion.has_betas and not lion.has_momentum and not lion.has_eps
-    for name in ('cboptadamw', 'cboptsgd', 'cboptlion', 'cboptadan', 'cboptschedulefreeadamw', 'cboptdecoupledadamw',
-                 'cboptradam', 'cboptlamb'):
+    assert default_registry.get_optimizer_info('cboptmuon').opt_class is cbopt.Muon  # (hybrid, as timm's muon)
+    assert 'cboptlbfgs' not in NAMES  # (timm always passes weight_decay, which torch's LBFGS does not take)
+    x, y = _data()[0]
+    for name in NAMES:  # every one builds over timm's layer-decay groups and steps
         model = Net()
-        opt = create_optimizer_v2(model, name, lr=1e-3, weight_decay=0.01, layer_decay=0.75).train()  # (schedule-free's)
-        nn.functional.cross_entropy(model(_data()[0][0]), _data()[0][1]).backward()
+        opt = create_optimizer_v2(model, name, lr=1e-3, weight_decay=0.01, layer_decay=0.75).train()  # (schedule-free)
+        nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        assert 'lr_scale' in opt.param_groups[0], name
+        assert 'lr_scale' in opt.param_groups[0] and any(opt.state.values()), name
 
 
 def test_underscore_names_refused():

@@ -16,20 +16,36 @@ from typing import Any
 __all__ = ['register', 'timm_optimizers']
 
 
+# cbopt's recipes preferred over their cbopt.optim twin: cbopt.Muon is hybrid (Muon for the hidden matrices, AdamW
+# for the rest), as timm's own `muon` is; cbopt.optim.Muon, torch's, refuses the biases and norms timm's groups hold
+_HYBRID = ('Muon',)
+
+
 def timm_optimizers(prefix: str = 'cbopt') -> dict[str, type | Any]:
     """The optimizers `register` registers, by their timm name: `cbopt.optim`'s classes (torch's signatures, which are
     the keywords timm passes: `weight_decay`, `momentum`, `betas`, `eps`, `foreach`), then cbopt's own recipes that
     have no `cbopt.optim` twin (`cboptlion`, `cboptadan`, `cboptschedulefreeadamw`, Composer's `cboptdecoupledadamw`...),
-    which take torch's names too (`weight_decay`, `betas`). A name is `prefix` + the class name in lower case."""
+    which take torch's names too (`weight_decay`, `betas`); `cboptmuon` is `cbopt.Muon`, hybrid as timm's `muon`. A
+    name is `prefix` + the class name in lower case. Left out: what timm cannot build, since it always passes
+    `weight_decay` and params: `cbopt.optim.Rprop` and `LBFGS` (torch's take no weight_decay; `cboptrprop` is cbopt's
+    own Rprop recipe, which does), `cbopt.Lookahead` (it wraps an optimizer: timm's `lookahead_` prefix does that)."""
     import cbopt
     from cbopt import optim
     _check_name(prefix, 'prefix')
-    out: dict[str, Any] = {f"{prefix}{n.lower()}": getattr(optim, n) for n in optim.__all__}
-    for n in cbopt.recipes.__all__:
-        fn = getattr(cbopt.recipes, n)
-        if not n[0].isupper() or not callable(fn): continue  # (chain builders: `adam_chain`, `lookahead`)
-        out.setdefault(f"{prefix}{n.lower()}", fn)  # (cbopt.optim's class wins: timm passes torch's keywords)
+    candidates = [getattr(cbopt.recipes, n) for n in _HYBRID]
+    candidates += [getattr(optim, n) for n in optim.__all__]
+    candidates += [getattr(cbopt.recipes, n) for n in cbopt.recipes.__all__ if n[0].isupper()]  # (not chain builders)
+    out: dict[str, Any] = {}
+    for fn in candidates:
+        if not callable(fn) or not _takes_timm_arguments(fn): continue
+        out.setdefault(f"{prefix}{fn.__name__.lower()}", fn)  # (the first of a name wins: timm passes torch's keywords)
     return out
+
+
+def _takes_timm_arguments(fn: Any) -> bool:
+    "Whether `fn(params, weight_decay=...)` builds an optimizer (cbopt's recipes take torch's names beside their own)."
+    sig = list(inspect.signature(fn).parameters)
+    return bool(sig) and sig[0] == 'params' and ('weight_decay' in sig or 'wd' in sig)
 
 
 def _check_name(name: str, what: str) -> None:

@@ -155,6 +155,7 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
 ADAMW = dict(lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0.01)  # torch.optim.AdamW's defaults
 
 
+@torch_keywords()
 def Muon(params: Any, lr: float | slice = 1e-3, wd: float = 0.1, mom: float = 0.95, nesterov: bool = True,
          ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-7, ns_steps: int = 5,
          adjust_lr_fn: str | None = None, muon_params: Callable[[str, torch.Tensor], bool] | Collection[str] = is_hidden_matrix,
