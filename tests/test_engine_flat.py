@@ -352,3 +352,22 @@ def test_each_bucket_keeps_its_own_flat_aliases() -> None:
     assert len(kept) == 2
     assert sorted(sorted(k for k in v if k != 'pack') for v in kept.values()) == sorted([sorted(map(id, ps[:2])),
                                                                                         sorted(map(id, ps[2:]))])
+
+
+def test_steady_packed_steps_read_no_shared_value(monkeypatch) -> None:
+    """The shared 0-d entries of packed small params (NAdam's `mu_product`) are read (`_one_value`: on a GPU a wait for
+    it) when the pack is made and after something wrote them since its last step, never on a steady step."""
+    reads = []
+    real = flat._one_value
+    monkeypatch.setattr(flat, '_one_value', lambda ts: reads.append(len(ts)) or real(ts))
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    opt = cbopt.NAdam(ps, lr=0.01, backend=cbopt.Backend('fused', compiler='eager', compile_chunk=4))
+    per_step = []
+    for step in range(6):
+        for p in ps: p.grad = torch.randn(p.shape, generator=g)
+        if step == 4: opt.state[ps[0]]['mu_product'].mul_(1.)  # (written: read again, though the value is the same)
+        reads.clear()
+        opt.step()
+        per_step.append(len(reads))
+    assert per_step[1] > 0 and per_step[2] == per_step[3] == per_step[5] == 0 and per_step[4] > 0, per_step

@@ -91,6 +91,7 @@ class Pack:
         self.param = qs[0].new_empty(sum(self.sizes))
         self.state = {k: tstates[0][k].new_empty(len(self.param)) for k in self.keys}
         self.views = {k: buf.split(self.sizes) for k, buf in (('param', self.param), *self.state.items())}
+        self.stamp = None  # the shared 0-d entries as `scatter` left them (`written_since`)
 
     def fits(self, members: list[int], qs: list, tstates: list, shared: tuple = ()) -> bool:
         "Whether this pack's buffers serve these small params (the same sizes, state keys and dtypes)."
@@ -107,6 +108,19 @@ class Pack:
         self.values = {k: tstates[0][k].clone() for k in self.shared}
         return self.param, {**self.state, **self.values}
 
+    def _stamp(self, b: Bucket) -> list:
+        """Each member's shared 0-d entries: the tensor (held, so no other can take its id) and its version counter
+        (any in-place write moves it)."""
+        return [(t, t._version) for k in self.shared for t in (b.states[i][k] for i in self.members)]
+
+    def written_since(self, b: Bucket) -> bool:
+        """Whether a shared 0-d entry of a member is not the tensor `scatter` left, or was written since (the user, a
+        load): only then can they hold different values, and only then are they read (`_one_value`, which on a GPU
+        waits for it): a steady step reads no value."""
+        now = self._stamp(b)
+        return self.stamp is None or len(now) != len(self.stamp) or \
+            not all(t is u and v == w for (t, v), (u, w) in zip(now, self.stamp))
+
     def scatter(self, b: Bucket, new_t: Mapping) -> None:
         """The results back into each param and its state; an entry the chain rebound (`new_t`) gives each param its
         own part of it (a copy: no param's state holds another's memory alive), a shared 0-d entry its value (an
@@ -121,12 +135,14 @@ class Pack:
                 for i, part in zip(self.members, v.split(self.sizes)): b.states[i][k] = part.view(b.params[i].shape).clone()
             else:  # a 0-d value each, in one allocation (98 clones cost 3 times as much)
                 for i, part in zip(self.members, v.expand(len(self.members)).clone().unbind()): b.states[i][k] = part
+        if self.shared: self.stamp = self._stamp(b)  # (one value each, written by this pack)
 
 
 def _one_value(ts: list) -> bool:
     """Whether the 0-d tensors `ts` hold one value, bit for bit: then one param stepped with it computes what each
-    would alone. Read on CPU only (elsewhere the read would wait for the device)."""
-    if ts[0].device.type != 'cpu' or any(t.dtype != ts[0].dtype for t in ts): return False
+    would alone. On a GPU the read waits for it: it is made when a pack is made (once per layout) and where the
+    entries were written since the pack's last step (`Pack.written_since`), never on a steady step."""
+    if any(t.dtype != ts[0].dtype or t.device != ts[0].device for t in ts): return False
     bits = torch.stack(ts).view(torch.uint8).view(len(ts), -1)
     return bool((bits == bits[0]).all())
 
@@ -186,7 +202,8 @@ class FlatInputs:
         for ts, st, k in self.as_they_are: ts[k] = st[k]
         pack = self.pack
         if pack is not None:
-            if not fresh and not all(_one_value([b.states[i][k] for i in pack.members]) for k in pack.shared): return None
+            if not fresh and pack.shared and pack.written_since(b) \
+                    and not all(_one_value([b.states[i][k] for i in pack.members]) for k in pack.shared): return None
             self.params[0], self.states[0] = pack.gather([self.qs[i] for i in pack.members],
                                                          [self.tstates[i] for i in pack.members],
                                                          [b.params[i].grad for i in pack.members])
