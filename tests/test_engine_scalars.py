@@ -55,6 +55,25 @@ def test_scalars_once_dedupes_drops_inputs_and_merges() -> None:
     assert got_args[3].item() == args[3].item() + 1  # the write still happens
 
 
+def test_scalars_once_merges_no_scalars_of_two_devices() -> None:
+    """`ScalarsOnce` merges the barriers of one device only: in a CUDA graph the tensorified hypers are CPU scalars,
+    and one `cbopt::scalars` call over CPU and CUDA values would mix devices (here the second device is 'meta', set
+    on the barrier of `w` in the graph of `test_scalars_once_dedupes_drops_inputs_and_merges`)."""
+    def step(x, a, w):
+        r = x * SCALAR(a * 2) + x * SCALAR(w)
+        w.add_(1.)
+        return r
+    args = [torch.randn(6), torch.tensor(0.3), torch.tensor(-1.5)]
+    gm = make_fx(step)(*[a.clone() for a in args])
+    on_w = next(n for n in _calls(gm, SCALAR) if n.args[0].op == 'placeholder')
+    on_w.meta['val'] = torch.empty((), device='meta')
+    scalars.ScalarsOnce()(gm.graph)
+    assert not _calls(gm, SCALARS) and len(_calls(gm, SCALAR)) == 2
+    gm2 = make_fx(step)(*[a.clone() for a in args])  # (the same graph on one device: merged)
+    scalars.ScalarsOnce()(gm2.graph)
+    assert len(_calls(gm2, SCALARS)) == 1
+
+
 def test_schedule_free_compiled_step_computes_its_numbers_in_one_call(monkeypatch) -> None:
     """Through inductor: one `cbopt::scalars` call per graph (ckp1 and the step sizes of every param, lr), no
     `scalar` left, one graph for runs of two flat params (the last padded), no recompiles as the warmup moves lr,

@@ -185,7 +185,7 @@ def _written(node: torch.fx.Node) -> bool:
 
 def _merge_scalars(graph: torch.fx.Graph) -> None:
     """Replace the `scalar` nodes of each depth (the most `scalar`s on a path to them: none of a depth reads another)
-    by one `scalars` node after the last of their inputs, then move their readers after it (a stable topological
+    and device by one `scalars` node after the last of their inputs, then move their readers after it (a stable topological
     sort). Only `scalar`s whose input comes before the graph's first write: the readers that move then cross no write."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_write = min((order[n] for n in graph.nodes if _mutates(n)), default=len(order))
@@ -194,8 +194,9 @@ def _merge_scalars(graph: torch.fx.Graph) -> None:
     for n in graph.nodes:
         d = max((depth[a] for a in n.all_input_nodes), default=0)
         if _is_scalar(n):
-            d += 1
-            if order[n.args[0]] < first_write: groups.setdefault(d, []).append(n)
+            d += 1  # (merged by device too: a CUDA graph's CPU scalars, the tensorified hypers, stay apart from its own)
+            device = getattr(n.meta.get('val'), 'device', None)
+            if order[n.args[0]] < first_write: groups.setdefault((d, device), []).append(n)
         depth[n] = d
     groups = [g for g in groups.values() if len(g) > 1]
     for members in groups:
