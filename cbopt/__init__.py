@@ -17,6 +17,7 @@ from .callbacks import *
 from .callbacks import __all__ as _callbacks_all
 from .engine import BACKENDS, Backend
 from .optimizer import Optimizer
+from .state import PRECISIONS, state_bytes
 from .recipes import *
 from .recipes import __all__ as _recipes_all
 from .wrappers import *
@@ -29,7 +30,7 @@ from ._compat import install_aliases as _install_aliases
 
 __all__ = ['Optimizer', 'cb_defaults', 'chain_name', 'init_chain_state', 'param_groups_weight_decay', 'Hypers', 'ParamGroup', 'BACKENDS', 'Backend',
            'TensorList', 'BucketError', *_callbacks_all, *_recipes_all, *_wrappers_all,
-           'functional', 'FunctionalOptimizer', 'FunctionalError']
+           'functional', 'FunctionalOptimizer', 'FunctionalError', 'PRECISIONS', 'state_bytes']
 
 _old_path, _dir = _install_aliases(__name__, globals())
 LAZY = ('ZeroRedundancyOptimizer',)  # public, but imported on first use: it imports torch.distributed's optim

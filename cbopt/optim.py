@@ -36,7 +36,8 @@ from .core.names import is_positional
 from .core.runtime import user_stacklevel
 from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
                           from_torch_names, model_entries, same_value)
-from .optimizer import Optimizer
+from .optimizer import Optimizer, takes_state_precision
+from .state.lowbit import SETTINGS
 from .state.formats import TORCH_CHAIN_FLAGS
 from .state.torch_format import torch_group_entries
 from .state.torch_view import TorchState
@@ -261,13 +262,19 @@ class TorchOptimizer(Optimizer):
                                       self.backend)
         switches = {k: v for k, v in {**self._recipe[2], **own}.items() if k in _IMPL_FLAGS or k not in entries}
         out = TorchParamGroup({'params': g['params'], **entries, **switches, 'param_names': g['param_names'],
-                               **model_entries(g)})  # (its algorithm flags are its chain's: `entries`)
+                               **model_entries(g), **{k: g[k] for k in SETTINGS if k in g}})  # (its algorithm flags
+        # are its chain's: `entries`; low-bit state's settings are kept as they are)
         out['cbs'] = cbs
         for k, v in hyper.items():  # a hyper with no torch entry (a user's) is kept by cbopt's name, but at its
             if k not in out or not same_value(out[k], v): out[k] = v  # callback's default (the group answers it then)
         return out
 
     _torch_groups_live = True  # (LBFGS: False)
+
+    def __init_subclass__(cls, **kwargs):
+        "Each class's `__init__` also takes `state_precision=` and `min_quantize_size=` (`takes_state_precision`)."
+        super().__init_subclass__(**kwargs)
+        if '__init__' in cls.__dict__: cls.__init__ = takes_state_precision(cls.__init__)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`: torch's names and switches in the group dict, its algorithm flags choosing the

@@ -3,6 +3,8 @@ while being a real `torch.optim.Optimizer` (schedulers, GradScaler, hooks, closu
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -24,8 +26,10 @@ from .core.names import canonical_names
 from .core.runtime import param_states
 from .core.spec import spec
 from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
+from .state.lowbit import MIN_QUANTIZE_SIZE, SETTINGS, check_settings
+from .state.lowbit import pack as lowbit_pack, param_plan as lowbit_plan, unpack as lowbit_unpack
 
-__all__ = ['Optimizer', 'rechain', 'on_create']
+__all__ = ['Optimizer', 'rechain', 'on_create', 'takes_state_precision']
 
 # A neutral hook for integrations (`cbopt.integrations.fastai`): the core never learns who its caller is.
 on_create: list[Callable[[Optimizer], None]] = []  # called with each new optimizer (may name its params)
@@ -88,8 +92,13 @@ class Optimizer(torch.optim.Optimizer):
     state_dict_format: str = 'cbopt'  # what `state_dict()` writes: cbopt.optim's classes write their torch class's
     torch_class: type | None = None   # the torch.optim class this optimizer is the twin of, if any (cbopt.optim's)
 
-    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str | Backend = 'auto', **defaults):
+    def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str | Backend = 'auto',
+                 state_precision: str = 'fp32', min_quantize_size: int = MIN_QUANTIZE_SIZE, **defaults):
         self.backend_options = as_backend(backend)  # how `step` runs the chains: see cbopt.engine
+        check_settings(state_precision, min_quantize_size)
+        # low-bit state (cbopt.state.lowbit): the group entries exist where some group asks for it, so an fp32
+        # optimizer's groups and checkpoints are as they were
+        lowbit = {'state_precision': state_precision, 'min_quantize_size': min_quantize_size}
         if 'train_bn' in defaults:
             defaults.pop('train_bn')
             warnings.warn('Setting `train_bn` in `Optimizer` has no effect. Set `train_bn` on `Learner` init instead')
@@ -106,16 +115,23 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError(f"{alias}={defaults[alias]!r} and {canon}={defaults[canon]!r} name one hyper")
         defaults = {ALIASES.get(k, k): v for k, v in from_torch_names(defaults).items()}
         groups = [self._with_chain(g) for g in groups]
+        if state_precision != 'fp32' or any(k in g for g in groups for k in SETTINGS):
+            for i, g in enumerate(groups):
+                for k, v in lowbit.items(): g.setdefault(k, v)
+                check_settings(g['state_precision'], g['min_quantize_size'], f' (group {i})')
+            defaults.update(lowbit)  # (torch's `defaults`: `add_param_group` fills new groups from it)
         _check_read(defaults, [self.cbs, *(g['cbs'] for g in groups)], '')
         for i, g in enumerate(groups):  # a group dict's own hypers, against its own chain
             _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {i})', carry=True)
             for k, v in chain_defaults(g['cbs']).items():
                 if k not in g: check_hyper(k, v, i)
         for k, v in defaults.items():  # group dicts win over defaults; slices and lists spread over the groups
+            if k in SETTINGS: continue
             for g, v_ in zip(groups, expand_hyper(k, v, len(groups))): g.setdefault(k, v_)
         for g in groups:  # then each group's own chain's defaults
             for k, v in chain_defaults(g['cbs']).items(): g.setdefault(k, v)
-        scalar_defaults = {**chain_defaults(self.cbs), **{k: expand_hyper(k, v, len(groups))[-1] for k, v in defaults.items()}}
+        scalar_defaults = {**chain_defaults(self.cbs), **{k: v if k in SETTINGS else expand_hyper(k, v, len(groups))[-1]
+                                                          for k, v in defaults.items()}}
         for alias, canon in ALIASES.items():  # e.g. OneCycleLR looks for 'momentum' in defaults
             if canon in scalar_defaults: scalar_defaults[alias] = scalar_defaults[canon]
         self.frozen_idx, self._given, self._building = 0, set(defaults), True
@@ -154,6 +170,9 @@ class Optimizer(torch.optim.Optimizer):
                                     for n, p in zip(g['param_names'], mine['params'])})
         g = self._with_chain(groups[0])
         _check_complex(g, len(self.param_groups))
+        if any(k in g for k in SETTINGS) or 'state_precision' in self.defaults:
+            for k in SETTINGS: g.setdefault(k, self.defaults.get(k, {'state_precision': 'fp32'}.get(k, MIN_QUANTIZE_SIZE)))
+            check_settings(g['state_precision'], g['min_quantize_size'], f' (group {len(self.param_groups)})')
         if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
             _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})',
                         carry=True)
@@ -276,6 +295,22 @@ class Optimizer(torch.optim.Optimizer):
                     param_states(self)[p].update(initial_state(self, p, g))
         engine.init_model_state(self)
 
+    def set_state_precision(self, state_precision: str, min_quantize_size: int = MIN_QUANTIZE_SIZE) -> None:
+        """Store the state of every group as `state_precision` says from now on (`PRECISIONS`; see
+        `cbopt.state.lowbit`): the state kept so far is converted at once (dequantized, then stored anew), so a run can
+        switch formats between steps. What the prebuilt optimizers' `state_precision=` calls."""
+        check_settings(state_precision, min_quantize_size)
+        states = param_states(self)
+        for g in self.param_groups:
+            old = [lowbit_plan(g, p) for p in g['params']]
+            for p, plan in zip(g['params'], old):
+                if p in states: lowbit_unpack(states[p], p, plan)
+            g['state_precision'], g['min_quantize_size'] = state_precision, min_quantize_size
+            for p in g['params']:
+                if p in states: lowbit_pack(states[p], p, lowbit_plan(g, p), stochastic=False)
+        self.defaults.update(state_precision=state_precision, min_quantize_size=min_quantize_size)
+        engine.forget_state(self)
+
     # -- modes (schedule-free: train at one point, evaluate at another) ------------------------------------------
     @torch.no_grad()
     def train(self, mode: bool = True) -> Optimizer:
@@ -358,13 +393,16 @@ class Optimizer(torch.optim.Optimizer):
         return self.step_stats.get('grad_norm')
 
     # -- state_dicts -----------------------------------------------------------------------------------------------
-    def state_dict(self, format: str | type | None = None) -> dict:
+    def state_dict(self, format: str | type | None = None, dequantize: bool = False) -> dict:
         """torch's layout, so torch's tools (DCP, ZeroRedundancyOptimizer, ...) read it: `{'state': {id: {...}},
         'param_groups': [{hypers, 'chain': ..., 'param_names': [fqn, ...], 'params': [id, ...]}]}`, ids counting params
         in `param_groups` order; loadable with weights_only. `named_state_dict()` is the same keyed by names.
         `format`: `'cbopt'` (cbopt's state and hyper names), a torch.optim class (`torch.optim.AdamW`: what that class
         would save, with its names, so it loads there; see `cbopt.state.torch_class_state_dict`), or `'torch'` (the
-        optimizer's own torch class: cbopt.optim's classes, whose default it is). Every format loads back here."""
+        optimizer's own torch class: cbopt.optim's classes, whose default it is). Every format loads back here.
+        Low-bit state (`state_precision`) is saved as stored (`'grad_avg.codes'`, `'grad_avg.absmax'`: see
+        `cbopt.state.lowbit`); `dequantize=True` saves it as fp32 tensors, which an fp32 optimizer and, with
+        `format=torch.optim.AdamW`, torch's class load."""
         fmt = self.state_dict_format if format is None else format
         if fmt == 'torch':
             if self.torch_class is None:
@@ -375,16 +413,16 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dict(format={fmt!r}): expected 'cbopt', 'torch' or a torch.optim class")
         self._check_groups()
         _run_hooks(self._optimizer_state_dict_pre_hooks, self)
-        sd = torch_state_dict(self) if fmt == 'cbopt' else torch_class_state_dict(self, fmt)
+        sd = torch_state_dict(self, dequantize) if fmt == 'cbopt' else torch_class_state_dict(self, fmt, dequantize)
         # entries of `self.state` that are no param's (a pre-hook's `opt.state['x'] = ...`) are saved as they are, as
         # torch saves them: its post-hooks and loaders see them
         sd['state'].update((k, v) for k, v in param_states(self).items() if not isinstance(k, torch.Tensor))
         return _run_hooks(self._optimizer_state_dict_post_hooks, self, sd)
 
-    def named_state_dict(self) -> dict:
+    def named_state_dict(self, dequantize: bool = False) -> dict:
         """`{'state': {fqn: {...}}, 'param_groups': [{hypers, 'chain': ..., 'params': [fqn, ...]}]}` (torchrec's
         KeyedOptimizer layout): for people, diffs and saving with `dcp.save` directly. `load_state_dict` reads it."""
-        return named_state_dict(self)
+        return named_state_dict(self, dequantize)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a cbopt (either layout), torch.optim or fastai state_dict, matching params by name where both sides
@@ -456,6 +494,7 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     state dicts are shared, not copied."""
     def new_chain(cbs) -> list: return around_params(cbs, transform)
     groups = [{'params': list(g['params']), 'param_names': list(g['param_names']), **opt.hypers[i], **hypers,  # names kept
+               **{k: g[k] for k in SETTINGS if k in g},  # (low-bit state: stored as it was)
                'cbs': None if g['cbs'] is opt.cbs else new_chain(g['cbs'])} for i, g in enumerate(opt.param_groups)]
     res = Optimizer(groups, new_chain(opt.cbs), backend=opt.backend_options, **{**opt.defaults, **hypers})
     for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state
@@ -465,3 +504,26 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     if opt.group_layers is not None: res.split_groups(opt.group_layers, opt.n_layers)
     engine.init_model_state(res)
     return res
+
+
+def takes_state_precision(factory: Callable) -> Callable:
+    """A prebuilt optimizer's factory (or a `cbopt.optim` class's `__init__`) that also takes `state_precision=` and
+    `min_quantize_size=` (keyword-only; see `Optimizer` and `cbopt.state.lowbit`), applied to the optimizer it builds
+    (`Optimizer.set_state_precision`), so every prebuilt offers low-bit state without repeating it in each signature."""
+    sig = inspect.signature(factory)
+    if 'state_precision' in sig.parameters: return factory
+    @functools.wraps(factory)
+    def with_state_precision(*args, state_precision: str = 'fp32', min_quantize_size: int = MIN_QUANTIZE_SIZE, **kwargs):
+        check_settings(state_precision, min_quantize_size)
+        out = factory(*args, **kwargs)
+        opt = args[0] if out is None and args and isinstance(args[0], Optimizer) else out  # (an `__init__`: self)
+        if state_precision != 'fp32' or min_quantize_size != MIN_QUANTIZE_SIZE:
+            opt.set_state_precision(state_precision, min_quantize_size)
+        return out
+    params = list(sig.parameters.values())
+    extra = [inspect.Parameter('state_precision', inspect.Parameter.KEYWORD_ONLY, default='fp32', annotation='str'),
+             inspect.Parameter('min_quantize_size', inspect.Parameter.KEYWORD_ONLY, default=MIN_QUANTIZE_SIZE,
+                               annotation='int')]
+    at = next((i for i, q in enumerate(params) if q.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+    with_state_precision.__signature__ = sig.replace(parameters=params[:at] + extra + params[at:])
+    return with_state_precision

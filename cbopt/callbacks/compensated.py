@@ -50,6 +50,7 @@ def kahan(step: Callable) -> Callable:
         return {**(new or {}), 'kahan_comp': kahan_comp}
     kahan_step.__name__ = kahan_step.__qualname__ = f'kahan_{cb_name(step)}'
     kahan_step.state = {**(spec(step).state or {}), 'kahan_comp': zeros}
+    kahan_step.state_kinds = {**spec(step).state_kinds, 'kahan_comp': 'exact'}
     kahan_step.additive = False  # it writes the param itself
     return kahan_step
 

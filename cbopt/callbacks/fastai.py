@@ -72,6 +72,7 @@ def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
     return {'grad_avg': grad_avg}
 average_grad.defaults = dict(mom=0.9)
 average_grad.state = dict(grad_avg=zeros)
+average_grad.state_kinds = dict(grad_avg='signed')
 
 
 def dampened_grad_avg(p, mom, dampening=0., grad_avg=None, **kwargs):
@@ -90,6 +91,7 @@ def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
     return {'sqr_avg': sqr_avg}
 average_sqr_grad.defaults = dict(sqr_mom=0.99)
 average_sqr_grad.state = dict(sqr_avg=zeros)
+average_sqr_grad.state_kinds = dict(sqr_avg='nonnegative')
 
 
 def amsgrad_max(p, sqr_avg, max_sqr_avg=None, **kwargs):
@@ -98,6 +100,7 @@ def amsgrad_max(p, sqr_avg, max_sqr_avg=None, **kwargs):
     max_sqr_avg.clamp_(min=sqr_avg)  # clamp(min=t) is torch.maximum, NaNs included
     return {'max_sqr_avg': max_sqr_avg}
 amsgrad_max.state = dict(max_sqr_avg=zeros)
+amsgrad_max.state_kinds = dict(max_sqr_avg='nonnegative')
 amsgrad_max.torch_state = dict(max_exp_avg_sq='max_sqr_avg')
 amsgrad_max.torch_flag = 'amsgrad'  # in the chain exactly when torch's group has amsgrad=True
 
@@ -140,6 +143,7 @@ def step_stat(p, step=0, **kwargs):
     "Count the steps taken by `p` (a Python int, so it never holds a tensor back)."
     return {'step': step + 1}
 step_stat.state = dict(step=0)
+step_stat.state_kinds = dict(step='exact')
 step_stat.torch_state = dict(step='step')  # a tensor in torch's state_dicts, a Python int here
 step_stat.sparse_grads = True  # (it reads no grad)
 
@@ -231,6 +235,7 @@ def lookahead_keep(p, slow_p=None, **kwargs):
     "Lookahead, first half: remember the slow weights as they were before the first fast step."
     if slow_p is None: return {'slow_p': p.data.clone()}
 lookahead_keep.state = dict(slow_p=copy_of_param)
+lookahead_keep.state_kinds = dict(slow_p='exact')
 
 
 def lookahead_step(p, k, alpha, la_step=0, slow_p=None, **kwargs):
@@ -242,3 +247,4 @@ def lookahead_step(p, k, alpha, la_step=0, slow_p=None, **kwargs):
     return {'la_step': la_step}
 lookahead_step.defaults = dict(k=6, alpha=0.5)
 lookahead_step.state = dict(la_step=0)
+lookahead_step.state_kinds = dict(la_step='exact')

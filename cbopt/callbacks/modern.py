@@ -30,6 +30,7 @@ def lion_step(p, lr, mom, grad_avg=None, **kwargs):
     return {'grad_avg': grad_avg}
 lion_step.defaults = dict(mom=0.9)
 lion_step.state = dict(grad_avg=zeros)
+lion_step.state_kinds = dict(grad_avg='signed')
 lion_step.additive = True
 
 
@@ -57,6 +58,7 @@ def adan_avgs(p, mom, diff_mom, sqr_mom, step, grad_avg=None, diff_avg=None, sqr
     return {'grad_avg': grad_avg, 'diff_avg': diff_avg, 'sqr_avg': sqr_avg, 'prev_grad': prev_grad}
 adan_avgs.defaults = dict(mom=0.98, diff_mom=0.92, sqr_mom=0.99)
 adan_avgs.state = dict(grad_avg=zeros, diff_avg=zeros, sqr_avg=zeros, prev_grad=zeros)
+adan_avgs.state_kinds = dict(grad_avg='signed', diff_avg='signed', sqr_avg='nonnegative', prev_grad='signed')
 
 
 def adan_step(p, lr, mom, diff_mom, sqr_mom, eps, step, grad_avg, diff_avg, sqr_avg, **kwargs):
@@ -97,6 +99,7 @@ def slow_grad_avg(p, mom, slow_mom, step, t_alpha_beta3=None, slow_avg=None, **k
     return {'slow_avg': slow_avg}
 slow_grad_avg.defaults = dict(slow_mom=0.9999, t_alpha_beta3=None)
 slow_grad_avg.state = dict(slow_avg=zeros)
+slow_grad_avg.state_kinds = dict(slow_avg='signed')
 
 
 def ademamix_step(p, lr, mom, sqr_mom, eps, step, slow_alpha, grad_avg, sqr_avg, slow_avg, t_alpha_beta3=None, **kwargs):
@@ -124,6 +127,7 @@ def debiased_avgs(p, mom, sqr_mom, step, grad_avg=None, sqr_avg=None, **kwargs):
     return {'grad_avg': grad_avg, 'sqr_avg': sqr_avg}
 debiased_avgs.defaults = dict(mom=0.9, sqr_mom=0.99)
 debiased_avgs.state = dict(grad_avg=zeros, sqr_avg=zeros)
+debiased_avgs.state_kinds = dict(grad_avg='signed', sqr_avg='nonnegative')
 
 
 def stable_lr(p, lr, eps, sqr_avg, **kwargs):
@@ -173,6 +177,7 @@ def schedule_free_weight(p, lr, step, warmup_steps, r, weight_lr_power, weight_s
     return {'weight_sum': weight_sum, 'lr_max': lr_max, 'sf_lr': lr, 'ckp1': ckp1}
 schedule_free_weight.defaults = dict(warmup_steps=0, r=0., weight_lr_power=2.)
 schedule_free_weight.state = dict(weight_sum=_float64(0.), lr_max=_float64(-1.))
+schedule_free_weight.state_kinds = dict(weight_sum='exact', lr_max='exact')
 schedule_free_weight.transient = ('sf_lr', 'ckp1')
 
 
@@ -194,6 +199,7 @@ def schedule_free_step(p, sf_lr, ckp1, mom, z=None, **kwargs):
     return {'z': z}
 schedule_free_step.defaults = dict(mom=0.9, train_mode=False)
 schedule_free_step.state = dict(z=copy_of_param)
+schedule_free_step.state_kinds = dict(z='exact')
 
 
 def _to_average(p, mom, z, **kwargs):

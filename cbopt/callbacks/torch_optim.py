@@ -44,6 +44,7 @@ def sqr_grad_sum(p, step, initial_accumulator_value, sqr_sum=None, **kwargs):
     return {'sqr_sum': sqr_sum}
 sqr_grad_sum.defaults = dict(initial_accumulator_value=0.)
 sqr_grad_sum.state = dict(sqr_sum=zeros)
+sqr_grad_sum.state_kinds = dict(sqr_sum='accumulator')
 sqr_grad_sum.torch_state = dict(sum='sqr_sum')
 sqr_grad_sum.sparse_grads = True
 
@@ -100,6 +101,7 @@ def adadelta_step(p, lr, sqr_mom, eps, sqr_avg, delta_sqr_avg=None, **kwargs):
     return {'delta_sqr_avg': delta_sqr_avg}
 adadelta_step.defaults = dict(sqr_mom=0.9, eps=1e-6)
 adadelta_step.state = dict(delta_sqr_avg=zeros)
+adadelta_step.state_kinds = dict(delta_sqr_avg='nonnegative')
 adadelta_step.torch_state = dict(square_avg='sqr_avg', acc_delta='delta_sqr_avg')
 
 
@@ -110,6 +112,7 @@ def inf_norm_grad(p, sqr_mom, eps, inf_norm=None, **kwargs):
     return {'inf_norm': inf_norm}
 inf_norm_grad.defaults = dict(sqr_mom=0.999, eps=1e-8)
 inf_norm_grad.state = dict(inf_norm=zeros)
+inf_norm_grad.state_kinds = dict(inf_norm='nonnegative')
 inf_norm_grad.torch_state = dict(exp_inf='inf_norm')
 
 
@@ -139,6 +142,7 @@ def nadam_step(p, lr, mom, sqr_mom, eps, step, momentum_decay, grad_avg, sqr_avg
     return {'mu_product': mu_product}
 nadam_step.defaults = dict(eps=1e-8, momentum_decay=4e-3)
 nadam_step.state = dict(mu_product=_scalar_one)
+nadam_step.state_kinds = dict(mu_product='exact')
 nadam_step.torch_state = dict(exp_avg='grad_avg', exp_avg_sq='sqr_avg', mu_product='mu_product')
 
 
@@ -160,6 +164,7 @@ def asgd_step(p, lr, lambd, alpha, t0, step, param_avg=None, **kwargs):
     return {'param_avg': param_avg}
 asgd_step.defaults = dict(lambd=1e-4, alpha=0.75, t0=1e6)
 asgd_step.state = dict(param_avg=zeros)
+asgd_step.state_kinds = dict(param_avg='exact')
 asgd_step.torch_state = dict(ax='param_avg')
 # torch keeps the next step's eta and mu in its state: a torch state_dict gets them (`cbopt.state.torch_class_state_dict`)
 asgd_step.torch_extra_state = lambda lr, lambd, alpha, t0, step, **kw: dict(
@@ -182,6 +187,7 @@ def rprop_step(p, lr, etaminus, etaplus, step_size_min, step_size_max, step, pre
     return {'prev_grad': prev_grad, 'step_size': step_size}
 rprop_step.defaults = dict(etaminus=0.5, etaplus=1.2, step_size_min=1e-6, step_size_max=50.)
 rprop_step.state = dict(prev_grad=zeros, step_size=zeros)
+rprop_step.state_kinds = dict(prev_grad='exact', step_size='exact')
 rprop_step.torch_state = dict(prev='prev_grad', step_size='step_size')
 rprop_step.torch_names = dict(etas=('etaminus', 'etaplus'), step_sizes=('step_size_min', 'step_size_max'))
 
@@ -232,6 +238,7 @@ def factored_sqr_grad(p, step, beta2_decay, row_var=None, col_var=None, variance
     return {'row_var': row_var, 'col_var': col_var}
 factored_sqr_grad.defaults = dict(beta2_decay=-0.8)
 factored_sqr_grad.state = dict(row_var=_row_var, col_var=_col_var, variance=_variance)
+factored_sqr_grad.state_kinds = dict(row_var='nonnegative', col_var='nonnegative', variance='nonnegative')
 factored_sqr_grad.torch_state = dict(row_var='row_var', col_var='col_var', variance='variance')
 factored_sqr_grad.scope = 'tensor'
 
@@ -260,6 +267,7 @@ def muon_momentum(p, mom, nesterov, grad_avg=None, **kwargs):
     return {'grad_avg': grad_avg, 'muon_update': g.lerp(grad_avg, mom) if nesterov else grad_avg}
 muon_momentum.defaults = dict(mom=0.95, nesterov=True)
 muon_momentum.state = dict(grad_avg=zeros)
+muon_momentum.state_kinds = dict(grad_avg='signed')
 muon_momentum.torch_state = dict(momentum_buffer='grad_avg')
 muon_momentum.torch_names = dict(nesterov='nesterov')  # a hyper in torch's Muon (SGD's nesterov is a flag)
 muon_momentum.transient = ('muon_update',)
@@ -308,6 +316,7 @@ def centered_grad_avg(p, sqr_mom, grad_avg=None, **kwargs):
     grad_avg.lerp_(p.grad.data, 1 - sqr_mom)
     return {'grad_avg': grad_avg}
 centered_grad_avg.state = dict(grad_avg=zeros)
+centered_grad_avg.state_kinds = dict(grad_avg='signed')
 centered_grad_avg.torch_state = dict(grad_avg='grad_avg')
 centered_grad_avg.torch_flag = 'centered'
 
@@ -335,4 +344,5 @@ def torch_rmsprop_momentum_step(p, lr, mom, eps, sqr_avg, grad_avg=None, mom_buf
     return {'mom_buf': mom_buf}
 torch_rmsprop_momentum_step.defaults = dict(eps=1e-8)
 torch_rmsprop_momentum_step.state = dict(mom_buf=zeros)
+torch_rmsprop_momentum_step.state_kinds = dict(mom_buf='signed')
 torch_rmsprop_momentum_step.torch_state = dict(square_avg='sqr_avg', momentum_buffer='mom_buf')  # not SGD's momentum_buffer (grad_avg)

@@ -161,6 +161,7 @@ accumulate_grads.scope = 'model'
 accumulate_grads.defaults = dict(every=1)
 accumulate_grads.state = dict(micro_step=0)
 accumulate_grads.param_state = dict(grad_sum=zeros)
+accumulate_grads.state_kinds = dict(grad_sum='exact')
 
 
 # -- pure forms, for `cbopt.functional` -------------------------------------------------------------------------------

@@ -57,10 +57,12 @@ CATALOGUE = {
 
 
 def _defaults(f) -> str:
-    "A factory's hyper defaults as `name=value` (not params, flags, None, callables or the backend)."
+    """A factory's hyper defaults as `name=value` (not params, flags, None, callables, the backend or how the state is
+    stored: every factory takes `state_precision=`)."""
     out = []
     for p in inspect.signature(f).parameters.values():
-        if p.name in ('self', 'params', 'opt', 'backend', 'kwargs') or p.default is inspect.Parameter.empty: continue
+        if p.name in ('self', 'params', 'opt', 'backend', 'kwargs', 'state_precision', 'min_quantize_size'): continue
+        if p.default is inspect.Parameter.empty: continue
         if isinstance(p.default, bool) or p.default is None or callable(p.default): continue
         out.append(f'`{p.name}={p.default!r}`')
     return ', '.join(out)
@@ -132,7 +134,7 @@ def bench_tables(name: str) -> str:
 API_SECTIONS = {
     'cbopt.optimizer': 'The optimizer', 'cbopt.core': 'Chains, hypers and tensor lists', 'cbopt.engine': 'Backends',
     'cbopt.recipes': 'Prebuilt optimizers', 'cbopt.callbacks': 'Step callbacks', 'cbopt.wrappers': 'Wrappers',
-    'cbopt.functional': 'The functional form',
+    'cbopt.functional': 'The functional form', 'cbopt.state': 'Optimizer state',
 }
 
 

@@ -23,7 +23,8 @@ from .spec import spec
 __all__ = ['ParamGroup', 'TorchParamGroup', 'TORCH_FLAGS', 'torch_hyper_names', 'GROUP_ALIASES', 'Hypers', 'expand_hyper', 'check_hyper', 'HYPER_RULES', 'FLAG_HYPERS', 'NOT_HYPERS',
            'ALIASES', 'TORCH_HYPER_NAMES', 'is_known_hyper', 'is_framework_key', 'TORCH_NAMES', 'from_torch_names', 'torch_keywords', 'is_model_entry', 'model_entries']
 
-NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain')  # group entries that are not hypers (a group's own chain and its name)
+NOT_HYPERS = ('params', 'param_names', 'cbs', 'chain',  # group entries that are not hypers (a group's own chain, its
+              'state_precision', 'min_quantize_size')   # params' names, how it stores its state: cbopt.state.lowbit)
 ALIASES = {'momentum': 'mom'}           # torch name -> cbopt/fastai name, kept equal in every group
 # torch.optim's group entries and the cbopt hypers they are (a tuple of names takes a sequence of as many values:
 # `betas=(0.9, 0.99)` are `mom`, `sqr_mom`), the one table of torch's hyper names: a torch state_dict's groups are read

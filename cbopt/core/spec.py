@@ -11,6 +11,12 @@ style is how users declare; `spec(cb)` is how cbopt reads it, checked, into a `C
   creates nothing declares `cb.state = {}`. Declared state is created by `init_chain_state` with no dry run (what
   `Optimizer.init_state`, the functional `init` and distributed checkpoints need). A chain with an undeclared callback
   (fastai's style: no `state`) falls back to a dry run on a copy;
+- `cb.state_kinds = dict(grad_avg='signed', step='exact')`: what each state entry is (`STATE_KINDS`), so that low-bit
+  state (`state_precision=`, `cbopt.state.lowbit`) knows how to store it: `'signed'` a moving average of any sign
+  (momentum, Adan's `prev_grad`: the signed 8/4-bit map), `'nonnegative'` a non-negative moving average (second
+  moments: the unsigned map), `'accumulator'` a running sum (Adagrad's: bf16 with stochastic rounding), `'exact'` never
+  quantized (step counts, masks, Lookahead's slow weights, Kahan buffers, iterates). An entry without a kind is kept
+  in fp32 (with a warning once when low precision was asked for);
 - `cb.transient = ('local_lr',)`: state entries that live for one step: removed after the chain, never saved;
 - `cb.scope = 'tensor'`: it reduces over a whole param (a norm, an orthogonalisation), so it is not safe to run on a
   shard of one; the default for a declared callback is `'element'`; `'model'`: a whole-model callback (below);
@@ -86,9 +92,11 @@ from typing import Any
 
 import torch
 
-__all__ = ['CallbackSpec', 'CallbackSpecError', 'spec', 'DECLARATIONS', 'SCOPES', 'unwrap', 'cb_name']
+__all__ = ['CallbackSpec', 'CallbackSpecError', 'spec', 'DECLARATIONS', 'SCOPES', 'STATE_KINDS', 'unwrap', 'cb_name']
 
 SCOPES = ('element', 'tensor', 'model')
+STATE_KINDS = ('signed', 'nonnegative', 'accumulator', 'exact')
+"""What a state entry is (`cb.state_kinds`), which decides how low-bit state stores it (`cbopt.state.lowbit`)."""
 
 
 def unwrap(cb: Callable) -> Callable:
@@ -127,6 +135,9 @@ class CallbackSpec:
     """`cb.scope`, one of `SCOPES`: `'element'` (the default for a declared callback), `'tensor'` (it reduces over a
     param: `chain.chain_scope`, the engine's buckets, flat packing, DTensor gathering) or `'model'` (a whole-model
     callback: `chain.split_chain`, `engine.model_stage`, `InBackward` refuses it). None for an undeclared callback."""
+    state_kinds: Mapping[str, str] = field(default_factory=dict)
+    """`cb.state_kinds`, state entry -> one of `STATE_KINDS` (for a whole-model callback: its `param_state` entries),
+    read by low-bit state (`cbopt.state.lowbit`). Default: none (fp32)."""
     transient: tuple[str, ...] = ()
     """`cb.transient`: entries that live for one step only, never saved (`chain.transient_keys`, the engine, loads;
     a whole-model callback: the entries it may return beside its state). Default: none."""
@@ -270,6 +281,7 @@ def _read(f: Callable, own: Mapping) -> CallbackSpec:
                             'a hyper name or a tuple of them') or {},
         torch_state=mapping('torch_state', is_name, 'a state entry name') or {},
         torch_extra_state=function('torch_extra_state'), torch_flag=torch_flag,
+        state_kinds=mapping('state_kinds', lambda x: x in STATE_KINDS, f'one of {STATE_KINDS}') or {},
         group_hypers=mapping('group_hypers', is_name, 'the name of a hyper') or {},
         param_state=mapping('param_state') or {}, flat_state=names('flat_state'),
         uses_closure=flag('uses_closure', False),
@@ -279,6 +291,10 @@ def _read(f: Callable, own: Mapping) -> CallbackSpec:
         for attr in _MODEL_ONLY:
             if read(attr):  # (an empty or False one says nothing)
                 raise bad(attr, "only a whole-model callback (scope = 'model') declares it")
+    own_state = set(state or ()) | (set(out.param_state) if scope == 'model' else set())
+    unknown = [k for k in out.state_kinds if k not in own_state]
+    if unknown: raise bad('state_kinds', f"{unknown[0]!r} is not an entry of its `state`" +
+                          ("" if scope != 'model' else " or `param_state`"))
     own_state = set(state or ())
     for attr, keys in (('flat_state', out.flat_state), ('torch_model_state', [k for k in out.torch_model_state.values() if k])):
         missing = [k for k in keys if k not in own_state]

@@ -16,6 +16,7 @@ from .buckets import Bucket, as_real
 from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
+from .lowbit import chunks as lowbit_chunks
 from .scaling import scale_grads, unscale_grads
 from ..core.runtime import param_states, runtime
 
@@ -114,23 +115,25 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
         for g, ps in todo:
             if not ps: continue
             if id(g) in scales: scale_grads(ps, *scales[id(g)])
-            with as_real(Bucket(g, ps, [param_states(opt)[p] for p in ps])) as b: loop_bucket(opt, b, snapshots[id(g)])
+            for c in lowbit_chunks(opt, Bucket(g, ps, [param_states(opt)[p] for p in ps])):  # (low-bit state: fp32 here)
+                with as_real(c) as b: loop_bucket(opt, b, snapshots[id(g)])
         return
     run = RUNNERS[kind]
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
     if runtime(opt).bucket_plan.sparse: run = _sparse_aware(run)
     if kind == 'fused': _check_fused_devices(buckets)
-    for b in buckets:
-        hyper, (scale, in_place) = snapshots[id(b.group)], scales.get(id(b.group), (None, False))
-        with as_real(b) as b:  # complex params step as torch's do: on their real views
-            if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto') and not (
-                    run is not RUNNERS[kind] and bucketing.is_sparse(b)):
-                if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
-                    kernel()
-                    continue
-            if loss_scale is not None: unscale_grads(b.params, loss_scale)
-            if scale is not None: scale_grads(b.params, scale, in_place)
-            run(opt, b, hyper)
+    for whole in buckets:
+        hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
+        for c in lowbit_chunks(opt, whole):  # (low-bit state: each chunk's as fp32 tensors while it runs)
+            with as_real(c) as b:  # complex params step as torch's do: on their real views
+                if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto') and not (
+                        run is not RUNNERS[kind] and bucketing.is_sparse(b)):
+                    if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
+                        kernel()
+                        continue
+                if loss_scale is not None: unscale_grads(b.params, loss_scale)
+                if scale is not None: scale_grads(b.params, scale, in_place)
+                run(opt, b, hyper)
 
 
 HOST_READ_DEVICES = ('cpu',)  # where GradScaler's `found_inf` is read on the host: free there (no device to wait for)
@@ -148,6 +151,7 @@ def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss
     whether it stepped; False: nothing was touched, and the step reads `found_inf` (chains need their counts as numbers,
     and skip the step on the host). The kernels count the steps on the device (`kernels._counted_on_device`)."""
     if opt.backend_options.kind not in ('auto', 'fused') or read_on_host(found_inf): return False
+    if any(g.get('state_precision', 'fp32') != 'fp32' for g in opt.param_groups): return False  # (`engine.lowbit`)
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return False
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads)
     if runtime(opt).bucket_plan.sparse: return False  # (sparse grads step in the loop runner)

@@ -117,6 +117,7 @@ def can_trace(opt) -> bool:
     if getattr(opt, 'found_inf', None) is not None or getattr(opt, 'grad_scale', None) is not None: return False
     for g in groups(opt):
         if g.get('train_mode') is False: return False
+        if g.get('state_precision', 'fp32') != 'fp32': return False  # (low-bit state steps eagerly: `engine.lowbit`)
         for cb in g['cbs']:
             if is_model_cb(cb): return False
     return prepare(opt)

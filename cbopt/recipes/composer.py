@@ -11,7 +11,7 @@ from ..callbacks.composer import fully_decoupled_wd
 from ..callbacks.fastai import adam_step, amsgrad_max, average_grad, average_sqr_grad, step_stat
 from ..engine import register_kernel
 from ..engine.kernels import fused_adamw
-from ..optimizer import Optimizer
+from ..optimizer import Optimizer, takes_state_precision
 from .fastai import sgd_chain
 
 __all__ = ['decoupled_adamw_chain', 'DecoupledSGDW', 'DecoupledAdamW']
@@ -36,6 +36,7 @@ for _amsgrad in (False, True):
 del _amsgrad
 
 
+@takes_state_precision
 def DecoupledSGDW(params: Any, lr: float, momentum: float = 0., dampening: float = 0., weight_decay: float = 0.,
                   nesterov: bool = False, backend: str = "auto") -> Optimizer:
     """Composer's `DecoupledSGDW`: torch's SGD (momentum buffer `grad_avg`, torch's `momentum_buffer`; `nesterov`,
@@ -48,6 +49,7 @@ def DecoupledSGDW(params: Any, lr: float, momentum: float = 0., dampening: float
     return Optimizer(params, cbs, lr=lr, mom=momentum, wd=weight_decay, **extra, backend=backend)
 
 
+@takes_state_precision
 def DecoupledAdamW(params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                    weight_decay: float = 1e-5, amsgrad: bool = False, backend: str = "auto") -> Optimizer:
     """Composer's `DecoupledAdamW`: Adam whose decay shrinks a param by `weight_decay * lr / initial_lr` per step

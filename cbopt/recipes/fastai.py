@@ -14,7 +14,7 @@ from ..engine import register_kernel
 from ..engine.kernels import fused_adam, fused_adamw, fused_sgd
 from ..core.hypers import torch_keywords
 from ..callbacks.compensated import kahan_chain
-from ..optimizer import Optimizer, rechain
+from ..optimizer import Optimizer, rechain, takes_state_precision
 
 __all__ = ['adam_chain', 'sgd_chain', 'maximizing', 'lookahead', 'SGD', 'RMSProp', 'Adam', 'RAdam', 'QHAdam', 'Larc', 'Lamb',
            'Lookahead', 'ranger']
@@ -66,6 +66,7 @@ for _decouple, _maximize, (_mom, _damp, _nesterov) in product(
 del _decouple, _maximize, _mom, _damp, _nesterov
 
 
+@takes_state_precision
 @torch_keywords()
 def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
         nesterov: bool = False, dampening: float = 0., maximize: bool = False, kahan_sum: bool = False,
@@ -79,6 +80,7 @@ def SGD(params: Any, lr: float | slice = 1e-3, mom: float = 0., wd: float = 0., 
                      backend=backend)
 
 
+@takes_state_precision
 @torch_keywords(alpha='sqr_mom')
 def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: float = 0.99, eps: float = 1e-8,
             wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -87,6 +89,7 @@ def RMSProp(params: Any, lr: float | slice = 1e-3, mom: float = 0., sqr_mom: flo
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0.01, decouple_wd: bool = True, amsgrad: bool = False, maximize: bool = False,
@@ -99,6 +102,7 @@ def Adam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float
                      sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
           wd: float = 0., beta: float = 0., decouple_wd: bool = True, maximize: bool = False,
@@ -111,6 +115,7 @@ def RAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: floa
                      eps=eps, wd=wd, beta=beta, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: float = 0.999, nu_1: float = 0.7,
            nu_2: float = 1.0, eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
@@ -122,6 +127,7 @@ def QHAdam(params: Any, lr: float | slice = 1e-3, mom: float = 0.999, sqr_mom: f
                      wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = True, trust_coeff: float = 0.02,
          eps: float = 1e-8, wd: float = 0., decouple_wd: bool = True, maximize: bool = False,
@@ -132,6 +138,7 @@ def Larc(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, clip: bool = T
                      backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Lamb(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5,
          wd: float = 0., decouple_wd: bool = True, maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -153,6 +160,7 @@ def Lookahead(opt: Optimizer, k: int = 6, alpha: float = 0.5) -> Optimizer:
     return rechain(opt, lookahead, k=k, alpha=alpha)
 
 
+@takes_state_precision
 @torch_keywords()
 def ranger(params: Any, lr: float | slice = 1e-3, mom: float = 0.95, wd: float = 0.01, eps: float = 1e-6, k: int = 6,
            alpha: float = 0.5, backend: str = "auto", **kwargs) -> Optimizer:

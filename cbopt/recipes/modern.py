@@ -19,13 +19,14 @@ from ..callbacks.modern import (adam_normalize_grad, adan_avgs, adan_step, adema
                                lion_step, proximal_decay, schedule_free_step, schedule_free_weight, slow_grad_avg,
                                stable_adamw_step, stable_decay, stable_lr)
 from ..core.hypers import torch_keywords
-from ..optimizer import Optimizer
+from ..optimizer import Optimizer, takes_state_precision
 from ..callbacks.compensated import kahan_chain
 from .fastai import _decay, maximizing
 
 __all__ = ['Lion', 'Adan', 'AdEMAMix', 'StableAdamW', 'ScheduleFreeSGD', 'ScheduleFreeAdamW']
 
 
+@takes_state_precision
 @torch_keywords()  # lion-pytorch's betas and weight_decay too
 def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float = 0.99, wd: float = 0.,
          maximize: bool = False, kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
@@ -36,6 +37,7 @@ def Lion(params: Any, lr: float | slice = 1e-4, mom: float = 0.9, sqr_mom: float
                      backend=backend)
 
 
+@takes_state_precision
 @torch_keywords(betas=('mom', 'diff_mom', 'sqr_mom'), weight_decouple='decouple_wd')  # pytorch-optimizer's names too
 def Adan(params: Any, lr: float | slice = 1e-3, mom: float = 0.98, diff_mom: float = 0.92, sqr_mom: float = 0.99,
          eps: float = 1e-8, wd: float = 0., decouple_wd: bool = False, maximize: bool = False, kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
@@ -49,6 +51,7 @@ def Adan(params: Any, lr: float | slice = 1e-3, mom: float = 0.98, diff_mom: flo
     return Optimizer(params, cbs, lr=lr, mom=mom, diff_mom=diff_mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords(betas=('mom', 'sqr_mom', 'slow_mom'), alpha='slow_alpha', weight_decouple='decouple_wd')
 def AdEMAMix(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.999, slow_mom: float = 0.9999,
              slow_alpha: float = 5., t_alpha_beta3: float | None = None, eps: float = 1e-8, wd: float = 0.,
@@ -63,6 +66,7 @@ def AdEMAMix(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: f
                      t_alpha_beta3=t_alpha_beta3, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def StableAdamW(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-6,
                 wd: float = 1e-2, maximize: bool = False, kahan_sum: bool = False, backend: str = "auto") -> Optimizer:
@@ -73,6 +77,7 @@ def StableAdamW(params: Any, lr: float | slice = 1e-3, mom: float = 0.9, sqr_mom
     return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def ScheduleFreeSGD(params: Any, lr: float | slice = 1.0, mom: float = 0.9, wd: float = 0., warmup_steps: int = 0,
                     r: float = 0., weight_lr_power: float = 2., maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -86,6 +91,7 @@ def ScheduleFreeSGD(params: Any, lr: float | slice = 1.0, mom: float = 0.9, wd: 
                      backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def ScheduleFreeAdamW(params: Any, lr: float | slice = 2.5e-3, mom: float = 0.9, sqr_mom: float = 0.999,
                       eps: float = 1e-8, wd: float = 0., warmup_steps: int = 0, r: float = 0., weight_lr_power: float = 2.,

@@ -20,7 +20,7 @@ from ..engine import register_kernel
 from ..engine.kernels import fused_adagrad
 from ..callbacks.fastai import average_grad, average_sqr_grad, step_stat, weight_decay
 from ..core.hypers import torch_keywords
-from ..optimizer import Optimizer
+from ..optimizer import Optimizer, takes_state_precision
 from .fastai import _decay, adam_chain, maximizing
 from ..core.hypers import expand_hyper
 from ..core.params import named_groups
@@ -49,6 +49,7 @@ for _decouple, _maximize in product((False, True), (False, True)):
 del _decouple, _maximize
 
 
+@takes_state_precision
 @torch_keywords()
 def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial_accumulator_value: float = 0.,
             eps: float = 1e-10, wd: float = 0., decouple_wd: bool = False, maximize: bool = False,
@@ -61,6 +62,7 @@ def Adagrad(params: Any, lr: float | slice = 1e-2, lr_decay: float = 0., initial
                      initial_accumulator_value=initial_accumulator_value, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords(rho='sqr_mom')
 def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: float = 1e-6, wd: float = 0.,
              decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -71,6 +73,7 @@ def Adadelta(params: Any, lr: float | slice = 1.0, sqr_mom: float = 0.9, eps: fl
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Adamax(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
            wd: float = 0., decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -80,6 +83,7 @@ def Adamax(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: flo
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords(decoupled_weight_decay='decouple_wd')
 def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
           momentum_decay: float = 4e-3, wd: float = 0., decouple_wd: bool = False, maximize: bool = False,
@@ -92,6 +96,7 @@ def NAdam(params: Any, lr: float | slice = 2e-3, mom: float = 0.9, sqr_mom: floa
                      momentum_decay=momentum_decay, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
          wd: float = 0., decouple_wd: bool = False, maximize: bool = False, backend: str = "auto") -> Optimizer:
@@ -103,6 +108,7 @@ def ASGD(params: Any, lr: float | slice = 1e-2, lambd: float = 1e-4, alpha: floa
     return Optimizer(params, maximizing(cbs, maximize), lr=lr, lambd=lambd, alpha=alpha, t0=t0, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.5, 1.2),
           step_sizes: tuple[float, float] = (1e-6, 50), wd: float = 0., decouple_wd: bool = False,
@@ -117,6 +123,7 @@ def Rprop(params: Any, lr: float | slice = 1e-2, etas: tuple[float, float] = (0.
                      step_size_min=step_size_min, step_size_max=step_size_max, wd=wd, backend=backend)
 
 
+@takes_state_precision
 @torch_keywords()
 def Adafactor(params: Any, lr: float | slice = 1e-2, beta2_decay: float = -0.8,
               eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, wd: float = 0.,
@@ -155,6 +162,7 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
 ADAMW = dict(lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0.01)  # torch.optim.AdamW's defaults
 
 
+@takes_state_precision
 @torch_keywords()
 def Muon(params: Any, lr: float | slice = 1e-3, wd: float = 0.1, mom: float = 0.95, nesterov: bool = True,
          ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-7, ns_steps: int = 5,

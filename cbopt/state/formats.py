@@ -15,6 +15,7 @@ from ..core.chain import chain_name, chain_reads, is_model_cb, model_key
 from ..core.hypers import from_torch_names, is_framework_key, torch_hyper_names
 from ..core.flags import split_flags
 from ..core.spec import spec
+from .lowbit import stored_base, stored_part
 
 __all__ = ['known_state_names', 'foreign_state_keys', 'read_checkpoint', 'Checkpoint', 'Saved', 'torch_hypers', 'TORCH_OPTIONAL_STATE',
            'TORCH_CHAIN_FLAGS', 'TORCH_DECOUPLED', 'TORCH_FIXED_FLAGS', 'TORCH_STEPLESS', 'torch_hyper_names', 'torch_state_names',
@@ -138,7 +139,8 @@ def torch_state(s: Mapping, cbs) -> dict:
     for k, v in s.items():
         if v is None: continue
         if k == 'step': v = int(v.item()) if isinstance(v, torch.Tensor) else int(v)
-        new[names.get(k, k)] = v
+        part = stored_part(k) if isinstance(k, str) else None  # (low-bit state: `'exp_avg.codes'`)
+        new[names.get(k, k) if part is None else f'{names.get(stored_base(k), stored_base(k))}.{part}'] = v
     return new
 
 

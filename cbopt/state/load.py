@@ -22,6 +22,7 @@ from ..core.params import distinct_names
 
 from ..core.initial import initial_state
 from .save import _copied
+from . import lowbit
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -242,15 +243,18 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
     matched = _match(opt, ck)
     for k in ck.unlisted:
         raise KeyError(f"unknown param {k!r} in the state_dict's state: no group of the state_dict lists it")
+    stored_as = [g.get('state_precision', 'fp32') if isinstance(g, Mapping) else 'fp32' for g in ck.groups]  # (low-bit)
     if ck.origin == 'torch': ck, matched = _from_torch(opt, ck, matched)
     aligned = _aligned(opt, ck, matched)
     _check_chains(opt, ck, matched, aligned)
     new_state, expected_cache, k = {}, {}, 0
     for gi, g in enumerate(opt.param_groups):
         for name, p in zip(g['param_names'], g['params']):
-            saved, k = split_flags(matched[k].state)[0], k + 1
+            saved, fmt, k = split_flags(matched[k].state)[0], stored_as[matched[k].group], k + 1
             saved = {key: v for key, v in saved.items() if key not in transient_keys(g['cbs'])}  # older checkpoints saved them
+            saved = lowbit.logical(saved, p, fmt, f"param {name!r}")  # (low-bit entries: one `Packed` each, checked)
             cur, flags = split_flags(param_states(opt).get(p, {}))
+            cur = lowbit.logical(cur, p, lowbit.precision(g), f"param {name!r}", like=True)
             if cur and not saved:
                 raise ValueError(f"the state_dict has no state for param {name!r}, which has state here "
                                  f"({sorted(cur)}): loading it would silently restart {name!r}; call clear_state() first")
@@ -273,7 +277,10 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
                                                   f"but this optimizer keeps no state for it")
                 raise ValueError(f"param {name!r} has state keys {sorted(saved)} in the state_dict but {sorted(expected)} "
                                  "here: it was saved by a different algorithm")
-            new_state[p] = {key: _load_value(f"state {key!r} of param {name!r}", saved[key], expected[key]) for key in expected}
+            plan, kinds = lowbit.param_plan(g, p), lowbit.chain_kinds(tuple(g['cbs']))
+            new_state[p] = lowbit.stored({key: lowbit.load_entry(
+                saved[key], expected[key], p, plan, key, kinds,
+                lambda v, key=key: _load_value(f"state {key!r} of param {name!r}", v, expected[key])) for key in expected}, p, plan)
             new_state[p].update((key, _carried(saved[key], p)) for key in carried)
     new_state.update(ck.others)
     groups = ck.groups if aligned else _regrouped_hypers(opt, ck, matched)

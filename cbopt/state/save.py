@@ -12,25 +12,31 @@ from ..core.chain import chain_counters, chain_name
 from ..core.hypers import Hypers, _plain, model_entries
 from ..core.dtensor import is_dtensor
 from ..core.runtime import param_states
+from .lowbit import SETTINGS, dequantized_state
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
 __all__ = ['named_state_dict', 'torch_state_dict']
 
 
-def named_state_dict(opt: Optimizer) -> dict:
+def named_state_dict(opt: Optimizer, dequantize: bool = False) -> dict:
     """The optimizer's state keyed by FQN, and its groups' hypers with the FQNs of their params. A snapshot: its
     tensors are copies, so a checkpoint kept in memory does not change as training goes on (torch's aliases the live
     state tensors, while cbopt's step counts are Python numbers: aliasing would mix a later step's moments with an
     earlier step's count). The copies of state on an accelerator (CUDA) are made in host memory (`_snapshot`): a
     dict kept while training holds no second copy of the state on the GPU (Adam's is twice the model's size), and
-    `torch.save` writes host memory anyway; every load puts the state back on its params' device."""
+    `torch.save` writes host memory anyway; every load puts the state back on its params' device. Low-bit state
+    (`cbopt.state.lowbit`) is saved as it is stored, with each group's `state_precision`; `dequantize`: as fp32
+    tensors, and the groups say 'fp32'."""
     state = {}
     for g in opt.param_groups:
         counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
         for name, p in zip(g['param_names'], g['params']):
-            if s := param_states(opt).get(p): state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
+            if s := param_states(opt).get(p):
+                if dequantize: s = dequantized_state(s, p, g)
+                state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v), host=True) for k, v in model_entries(g).items()},
+               **{k: g[k] for k in SETTINGS if k in g}, **({'state_precision': 'fp32'} if dequantize and 'state_precision' in g else {}),
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
 
@@ -58,10 +64,10 @@ def _copied(v: Any, host: bool = False) -> Any:
     return v
 
 
-def torch_state_dict(opt: Optimizer) -> dict:
+def torch_state_dict(opt: Optimizer, dequantize: bool = False) -> dict:
     """`named_state_dict` in torch's layout: params as integer ids in `param_groups` order, each group listing its
     `param_names` (what torch.optim saves for named params, and what DCP, ZeRO and other torch tools expect)."""
-    named = named_state_dict(opt)
+    named = named_state_dict(opt, dequantize)
     ids: dict = {}  # a param listed again (torch's test: a group list extended by itself) keeps its first id, as torch's
     for i, n in enumerate(opt.param_names): ids.setdefault(n, i)
     groups = [{**{k: v for k, v in g.items() if k != 'params'}, 'param_names': g['params'],

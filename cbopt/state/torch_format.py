@@ -14,6 +14,7 @@ from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_framework_key,
 from ..core.spec import spec
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, foreign_state_keys,
                       torch_hyper_names, torch_model_entries, torch_state_names)
+from .lowbit import SETTINGS, stored_base, stored_part, torch_stored_name
 from .save import torch_state_dict
 from .torch_view import PYTHON_STEPS, torch_scalar
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING: from ..optimizer import Optimizer
 __all__ = ['torch_class_state_dict', 'torch_group_entries']
 
 
-def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
+def torch_class_state_dict(opt: Optimizer, cls: type, dequantize: bool = False) -> dict:
     """The state_dict torch.optim's class `cls` would save for this optimizer: torch's layout (as `torch_state_dict`)
     with torch's state names (`cb.torch_state`) and the group entries of `cls`'s signature (`betas`, `weight_decay`,
     its flags from the chain, `foreach`/`fused` from the backend), so `cls(params).load_state_dict(...)` steps on as
@@ -31,7 +32,7 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
     which changes nothing), fastai's `do_wd=False`. Whole-model callbacks (clipping...) are not torch.optim's: their
     entries are left out, but for those torch keeps under a group's first param (`cb.torch_model_state`: LBFGS's)."""
     what = f"torch.optim.{cls.__name__}"
-    base = torch_state_dict(opt)
+    base = torch_state_dict(opt, dequantize)
     state, groups = {}, []
     for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
         cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
@@ -40,7 +41,8 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
         if isinstance(g, TorchParamGroup) and cls is getattr(opt, 'torch_class', None):  # cbopt.optim's: as the group
             entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
         own = {k: _plain(v) for k, v in g.items() if is_framework_key(k, cbs) and k not in entries}  # timm's lr_scale...
-        groups.append({**entries, **own, 'param_names': saved['param_names'], 'params': saved['params']})
+        groups.append({**entries, **own, **{k: saved[k] for k in SETTINGS if k in saved},  # (low-bit: its format)
+                       'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := spec(cb).torch_extra_state) is not None]
         counters = chain_counters(param_chain(cbs))
@@ -49,16 +51,17 @@ def torch_class_state_dict(opt: Optimizer, cls: type) -> dict:
             if flags.get('do_wd') is False and _nonzero(hyper.get('wd', 0)):
                 raise ValueError(f"param {name!r} ({where}) is not decayed (fastai's do_wd=False), which {what} cannot "
                                  f"say: its weight_decay applies to every param of a group (put {name!r} in a group with wd=0)")
-            algo = {k: v for k, v in algo.items() if not is_model_entry(k)}
+            algo = {k: v for k, v in algo.items() if not is_model_entry(k) or stored_part(k)}
             if not algo: continue
-            carried = foreign_state_keys(algo, names)  # a framework's own entries (timm Lookahead's): saved as they are
+            carried = {k for k in foreign_state_keys(algo, names) if stored_base(k) not in names}  # a framework's own
+            # entries (timm Lookahead's): saved as they are (a low-bit entry's parts are the chain's: `'exp_avg.codes'`)
             for k in algo:
-                if k not in names and k not in carried:
+                if stored_base(k) not in names and k not in carried:
                     raise ValueError(f"state {k!r} of param {name!r} ({where}) has no {what} name: this chain is not "
                                      f"{what}'s algorithm")
             torch_group = {**g, **groups[-1]}  # (its `fused`, `capturable`: where torch keeps its step)
             numbers = cls.__name__ in PYTHON_STEPS
-            out = {names.get(k, k): torch_scalar(v, p, torch_group) if k in counters and not numbers else v
+            out = {torch_stored_name(k, names): torch_scalar(v, p, torch_group) if k in counters and not numbers else v
                    for k, v in algo.items()}
             if 'step' not in out and cls.__name__ not in TORCH_STEPLESS:
                 raise ValueError(f"param {name!r} ({where}) has no step count, which {what}'s state must have: this "

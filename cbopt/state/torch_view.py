@@ -25,6 +25,7 @@ from ..core.hypers import Hypers
 from ..core.runtime import param_states
 from ..core.spec import spec
 from .formats import torch_state_names
+from .lowbit import stored_base, stored_part
 
 __all__ = ['TorchState', 'TorchParamState', 'StateNames', 'state_names', 'torch_scalar', 'PYTHON_STEPS']
 
@@ -91,7 +92,7 @@ class TorchParamState(MutableMapping):
         return {k: v for f in self.names.extras for k, v in f(**values).items()}
 
     def __getitem__(self, k: str) -> Any:
-        ours = self.names.from_torch.get(k, k)
+        ours = _renamed(k, self.names.from_torch)
         if ours not in self.raw:
             extra = self._extras()
             if k in extra: return extra[k] if self.first else torch_scalar(extra[k], self.p, self.group)
@@ -100,7 +101,7 @@ class TorchParamState(MutableMapping):
         return torch_scalar(v, self.p, self.group) if ours in self.names.counters and not self.numbers else v
 
     def __setitem__(self, k: str, v: Any) -> None:
-        ours = self.names.from_torch.get(k, k)
+        ours = _renamed(k, self.names.from_torch)
         if ours in self.names.counters:  # the engine's counter: a number of its declared type (a tensor, if traced)
             if isinstance(cur := self.raw.get(ours), torch.Tensor): cur.fill_(float(v))
             else: self.raw[ours] = self.names.counters[ours](v.item() if isinstance(v, torch.Tensor) else v)
@@ -108,20 +109,28 @@ class TorchParamState(MutableMapping):
         elif k in self._extras(): return  # (computed from the step count and hypers: nothing to keep)
         else: self.raw[ours] = v
 
-    def __delitem__(self, k: str) -> None: del self.raw[self.names.from_torch.get(k, k)]
+    def __delitem__(self, k: str) -> None: del self.raw[_renamed(k, self.names.from_torch)]
 
     def __iter__(self) -> Iterator[str]:
         to_torch = self.names.to_torch
-        yield from (to_torch.get(k, k) for k in self.raw)
+        yield from (_renamed(k, to_torch) for k in self.raw)
         yield from self._extras()
 
     def __len__(self) -> int: return len(self.raw) + len(self._extras())
 
     def __contains__(self, k: object) -> bool:
-        return self.names.from_torch.get(k, k) in self.raw or ((bool(self.names.extras) or self.first) and
+        return _renamed(k, self.names.from_torch) in self.raw or ((bool(self.names.extras) or self.first) and
                                                               k in self._extras())
 
     def __repr__(self) -> str: return repr(dict(self.items()))
+
+
+def _renamed(k: Any, names: Mapping) -> Any:
+    "A state key by the other side's names (`names`), a low-bit entry's parts too: `'exp_avg.codes'` <-> `'grad_avg.codes'`."
+    part = stored_part(k) if isinstance(k, str) else None
+    if part is None: return names.get(k, k)
+    base = stored_base(k)
+    return f'{names.get(base, base)}.{part}'
 
 
 _WHERE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # opt -> (its groups' layout, {id(param): group})

@@ -26,6 +26,7 @@ from ..core.chain import cb_name, is_model_cb
 from ..engine import Backend
 from ..engine.buckets import Bucket, as_real
 from ..engine.foreach import loop_bucket
+from ..engine.lowbit import chunks as lowbit_chunks
 from ..engine.kernels import torch_kernel
 from ..core.hypers import Hypers
 from ..optimizer import Optimizer
@@ -118,10 +119,11 @@ class InBackward(Optimizer):
             _refuse_model_scope(self)
         engine.check_grads(SimpleNamespace(param_groups=[{'param_names': [name], 'params': [p], 'cbs': g['cbs']}]))
         hyper = Hypers(g).snapshot()
-        with as_real(Bucket(g, [p], [param_states(self)[p]])) as b:  # a complex param steps on its real view, as in `step`
-            kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
-            if kernel is not None: kernel()
-            else: loop_bucket(self, b, hyper)
+        for c in lowbit_chunks(self, Bucket(g, [p], [param_states(self)[p]])):  # (low-bit state: fp32 while it steps)
+            with as_real(c) as b:  # a complex param steps on its real view, as in `step`
+                kernel = torch_kernel(b, hyper) if self.backend_options.kind in ('auto', 'fused') else None
+                if kernel is not None: kernel()
+                else: loop_bucket(self, b, hyper)
         p.grad = None
 
     def _where(self, p: torch.Tensor) -> tuple[dict, str]:

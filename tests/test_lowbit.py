@@ -1,0 +1,419 @@
+"""Low-bit optimizer state (`state_precision=`): the state kinds every callback declares, the number formats against
+torchao's (bitsandbytes' recipe), the numbers of a step against torchao's AdamW8bit/AdamW4bit/AdamWFp8, every backend
+agreeing, convergence of other chains, checkpoints (weights_only, bit-for-bit resume, fp32 <-> low-bit, bad input)."""
+import importlib
+import io
+import pkgutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cbopt
+import cbopt.callbacks
+from cbopt.core import quant
+from cbopt.core.spec import STATE_KINDS, CallbackSpecError, spec
+from cbopt.recipes.fastai import adam_chain
+from cbopt.state import lowbit
+
+BLOCK_FORMATS = ('8bit', '4bit', 'fp8')
+PRECISIONS = ('bf16', *BLOCK_FORMATS)
+
+
+def _torchao():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        return pytest.importorskip('torchao.optim')
+
+
+# -- kinds ------------------------------------------------------------------------------------------------------------
+def _builtin_callbacks():
+    for m in pkgutil.iter_modules(cbopt.callbacks.__path__):
+        mod = importlib.import_module(f'cbopt.callbacks.{m.name}')
+        for name, f in vars(mod).items():
+            own = getattr(f, '__dict__', {})
+            if callable(f) and getattr(f, '__module__', '') == mod.__name__ and ('state' in own or 'param_state' in own):
+                yield name, f
+
+
+def test_every_builtin_state_entry_has_a_kind():
+    "Every state entry a built-in callback declares (a whole-model one's per-param state too) says what it is."
+    seen = 0
+    for name, f in _builtin_callbacks():
+        s = spec(f)
+        entries = s.param_state if s.scope == 'model' else (s.state or {})
+        for k in entries:
+            assert s.state_kinds.get(k) in STATE_KINDS, f"{name}: state {k!r} declares no kind"
+            seen += 1
+    assert seen > 25
+    assert spec(cbopt.kahan(cbopt.callbacks.sgd_step)).state_kinds['kahan_comp'] == 'exact'
+    assert spec(cbopt.callbacks.adan_avgs).state_kinds['prev_grad'] == 'signed'
+
+
+def test_bad_state_kinds_refused():
+    def cb(p, **kw): pass
+    cb.state = dict(m=cbopt.chain.zeros)
+    cb.state_kinds = dict(m='momentum')
+    with pytest.raises(CallbackSpecError, match="state_kinds.*'m' must be one of"): spec(cb)
+    cb.state_kinds = dict(v='signed')
+    with pytest.raises(CallbackSpecError, match="'v' is not an entry of its `state`"): spec(cb)
+    cb.state_kinds = dict(m='signed')
+    del cb.state_kinds
+    cb.state_kind = dict(m='signed')
+    with pytest.raises(CallbackSpecError, match="did you mean 'state_kinds'"): spec(cb)
+
+
+# -- formats ----------------------------------------------------------------------------------------------------------
+def test_maps_and_codes_are_torchaos():
+    "The maps are bitsandbytes'/torchao's value for value, and the codes of a tensor the ones torchao computes."
+    _torchao()
+    from torchao.optim import subclass_4bit
+    from torchao.optim.quant_utils import (create_dynamic_map, quantize_4bit_with_qmap, quantize_8bit_with_qmap,
+                                           scale_tensor)
+    for args in [(True,), (False,), (True, 3, 4)]: assert quant.dynamic_map(*args) == create_dynamic_map(*args)
+    assert quant.qmap('4bit', False).tolist() == list(subclass_4bit.get_qmap_unsigned())
+    x = torch.distributions.StudentT(2.).sample((64 * 256,))
+    for fmt, block, q in (('8bit', 256, quantize_8bit_with_qmap), ('4bit', 128, quantize_4bit_with_qmap)):
+        for signed in (True, False):
+            y = x if signed else x.abs()
+            codes, absmax = quant.quantize(y, fmt, signed)
+            scaled, scale = scale_tensor(y, block)
+            theirs = q(scaled, quant.qmap(fmt, signed))
+            if fmt == '4bit': theirs = (theirs[::2] << 4) | theirs[1::2]
+            assert torch.equal(codes, theirs) and torch.equal(absmax, scale)
+    from torchao.optim.subclass_fp8 import quantize_fp8
+    codes, scale = quant.quantize(x, 'fp8')
+    c2, s2 = quantize_fp8(x, 256)
+    assert torch.equal(codes.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(scale, s2)
+    assert quant.qmap('8bit', True) is quant.qmap('8bit', True)  # one map per format, shared
+
+
+@pytest.mark.parametrize('fmt', BLOCK_FORMATS)
+@pytest.mark.parametrize('signed', [True, False])
+def test_round_trip_within_the_maps_error_budget(fmt, signed):
+    """Heavy-tailed data (Student's t, 2 degrees of freedom), of a size that is no multiple of the block (padded):
+    each element comes back within half the widest gap of the map (or its distance to the range's ends) times its
+    block's absmax (round to nearest), and
+    fp8 within e4m3's half ulp (2**-4 relative) or half its smallest subnormal (2**-10 of the scale)."""
+    torch.manual_seed(0)
+    x = torch.distributions.StudentT(2.).sample((50_000,))
+    if not signed: x = x.abs()
+    codes, scale = quant.quantize(x, fmt, signed)
+    f = quant.FORMATS[fmt]
+    assert codes.numel() == f.codes_numel(x.numel()) and scale.numel() == quant.n_blocks(x.numel(), f.block)
+    y = quant.dequantize(codes, scale, fmt, signed, x.numel())
+    assert y.shape == x.shape
+    per = scale.repeat_interleave(f.block)[:x.numel()]
+    if fmt == 'fp8':
+        budget = torch.maximum(x.abs() * 2 ** -4, per * 2 ** -10)
+    else:
+        m = quant.qmap(fmt, signed)  # (the map need not reach the range's ends: the signed one stops short of -1)
+        budget = max(m.diff().max() / 2, m[0] - (-1 if signed else 0), 1 - m[-1]) * per
+    assert ((y - x).abs() <= budget + per * 1e-6).all()  # (+ fp32's rounding of values up to the block's absmax)
+    assert (y - x).abs().mean() < budget.mean()  # (and not everywhere at the bound)
+
+
+def test_bf16_stochastic_rounding_is_unbiased():
+    x = torch.full((200_000,), 1 + 2 ** -10)  # between two bf16 values, 1/8 of the way up
+    y = quant.bf16_stochastic(x).float()
+    assert set(y.unique().tolist()) == {1.0, 1 + 2 ** -7}
+    up = (y > 1).float().mean().item()  # rounded up 1/8 of the time: within 4 standard deviations of a Bernoulli(1/8)
+    assert abs(up - 1 / 8) < 4 * (1 / 8 * 7 / 8 / x.numel()) ** 0.5
+    exact = torch.tensor([1.5, -3.0, 0.0])
+    assert torch.equal(quant.bf16_stochastic(exact).float(), exact)
+
+
+# -- against torchao --------------------------------------------------------------------------------------------------
+def _torchao_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 128))
+
+
+@pytest.mark.parametrize('fmt,cls', [('8bit', 'AdamW8bit'), ('4bit', 'AdamW4bit'), ('fp8', 'AdamWFp8')])
+def test_adamw_matches_torchao(fmt, cls):
+    """cbopt's AdamW with low-bit state against torchao's on the same grads, with torchao's own test: its model,
+    two steps, params within rtol=atol=1e-5 (test_optim_8bit_correctness, torchao against bitsandbytes). torchao's step
+    runs eagerly (its compile takes a minute on a CPU); the state is compared too, within one code's width."""
+    ao = _torchao()
+    m1, m2 = _torchao_model(), _torchao_model()
+    ours = cbopt.Optimizer(m1.parameters(), adam_chain(), lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=1e-2,
+                           state_precision=fmt, backend='foreach')
+    theirs = getattr(ao, cls)(m2.parameters())
+    with torch.compiler.set_stance('force_eager'):
+        for _ in range(2):
+            x = torch.randn(4, 32)
+            for m, o in ((m1, ours), (m2, theirs)):
+                m(x).sum().backward()
+                o.step()
+                o.zero_grad()
+    for p1, p2 in zip(m1.parameters(), m2.parameters()): torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-5)
+    w1, w2 = m1[2].weight, m2[2].weight
+    st = lowbit.dequantized_state(ours.state[w1], w1, ours.param_groups[0])
+    torch.testing.assert_close(st['grad_avg'], theirs.state[w2]['exp_avg'].dequantize(), rtol=0, atol=1e-6)
+    assert ours.state[w1]['grad_avg.codes'].dtype == (torch.float8_e4m3fn if fmt == 'fp8' else torch.uint8)
+    assert 'grad_avg' in ours.state[m1[2].bias]  # (128 elements: under min_quantize_size, fp32 as torchao keeps it)
+
+
+# -- backends, chains -------------------------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 1))
+
+
+def _train(opt, model, steps=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize('fmt', ['8bit', '4bit', 'fp8'])
+def test_backends_agree(fmt):
+    "loop, foreach, auto and fused (compiled) step low-bit state to the same params and codes."
+    out = {}
+    for backend in ('loop', 'foreach', 'auto', 'fused'):
+        m = _model()
+        opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                              state_precision=fmt, backend=cbopt.Backend(backend, compiler='aot_eager'))
+        _train(opt, m)
+        out[backend] = (m, opt)
+    m0, o0 = out['loop']
+    for backend, (m, o) in out.items():
+        for p0, p in zip(m0.parameters(), m.parameters()): torch.testing.assert_close(p, p0, rtol=1e-6, atol=1e-7)
+        st0, st = o0.state[m0[0].weight], o.state[m[0].weight]
+        assert list(st) == list(st0)
+        for k in st0:
+            if k.endswith('.codes'): assert (st[k].view(torch.uint8).int() - st0[k].view(torch.uint8).int()).abs().max() <= 1
+
+
+def test_memory_and_state_bytes():
+    "8-bit Adam state is about 2 bytes per param of the quantized ones (plus one fp32 absmax per 256)."
+    m = _model()
+    opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, state_precision='8bit')
+    _train(opt, m, 1)
+    w = m[0].weight.numel()
+    small = sum(p.numel() for p in m.parameters()) - w
+    assert cbopt.state_bytes(opt) == 2 * w + 2 * 4 * quant.n_blocks(w, 256) + 8 * small
+    fp = cbopt.Optimizer(_model().parameters(), adam_chain(), lr=1e-2)
+    _train(fp, fp.param_groups[0]['params'] and _model(), 0)
+    assert cbopt.state_bytes(fp) == 0
+
+
+def _regression(make, steps=150):
+    torch.manual_seed(0)
+    X = torch.randn(512, 64)
+    y = X @ torch.randn(64, 1) + 0.1 * torch.randn(512, 1)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 1))
+    opt = make(model.parameters())
+    for i in range(steps):
+        idx = torch.arange(i * 64, (i + 1) * 64) % 512
+        nn.functional.mse_loss(model(X[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    return nn.functional.mse_loss(model(X), y).item()
+
+
+def _user_chain():
+    "A chain a user lists: decay, a momentum they declare, and a sign step of their own (Lion-like)."
+    def my_momentum(p, mom, my_avg=None, **kwargs):
+        if my_avg is None: my_avg = torch.zeros_like(p.grad)
+        my_avg.mul_(mom).add_(p.grad, alpha=1 - mom)
+        return {'my_avg': my_avg}
+    my_momentum.defaults, my_momentum.state, my_momentum.state_kinds = dict(mom=0.9), dict(my_avg=cbopt.chain.zeros), dict(my_avg='signed')
+
+    def my_step(p, lr, my_avg, **kwargs): p.data.add_(my_avg.sign(), alpha=-lr)
+    my_step.state = {}
+    return [cbopt.callbacks.weight_decay, my_momentum, my_step]
+
+
+@pytest.mark.parametrize('name,make', [
+    ('lion', lambda prec: lambda ps: cbopt.Optimizer(ps, cbopt.Lion(nn.Linear(1, 1).parameters()).cbs, lr=3e-3, mom=0.9,
+                                                      sqr_mom=0.99, wd=0., state_precision=prec)),
+    ('adan', lambda prec: lambda ps: cbopt.Optimizer(ps, cbopt.Adan(nn.Linear(1, 1).parameters()).cbs, lr=3e-3, mom=0.98,
+                                                      diff_mom=0.92, sqr_mom=0.99, eps=1e-8, wd=0., state_precision=prec)),
+    ('user', lambda prec: lambda ps: cbopt.Optimizer(ps, _user_chain(), lr=1e-3, mom=0.9, wd=0., state_precision=prec)),
+])
+def test_other_chains_converge_in_8bit_like_fp32(name, make):
+    "Lion, Adan and a user's chain reach the fp32 run's loss (within 10%) with 8-bit state on a small regression."
+    fp32, q8 = _regression(make('fp32')), _regression(make('8bit'))
+    start = _regression(make('fp32'), steps=0)
+    assert fp32 < 0.5 * start
+    assert abs(q8 - fp32) <= 0.1 * fp32 + 1e-3, (fp32, q8)
+
+
+def test_undeclared_callback_keeps_fp32_with_one_warning():
+    def plain_step(p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)  # fastai style: declares nothing
+    m = _model()
+    opt = cbopt.Optimizer(m.parameters(), [cbopt.callbacks.average_grad, plain_step], lr=1e-2, mom=0.9, state_precision='8bit')
+    with pytest.warns(UserWarning, match="plain_step.*no kind"): _train(opt, m, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        _train(opt, m, 1)
+    assert 'grad_avg.codes' in opt.state[m[0].weight]  # declared entries are still stored low-bit
+
+
+# -- options, groups --------------------------------------------------------------------------------------------------
+def test_group_override_and_settings_shown_and_checked():
+    m = _model()
+    opt = cbopt.Optimizer([{'params': [m[0].weight], 'state_precision': '4bit'}, {'params': [m[0].bias, *m[2].parameters()]}],
+                          adam_chain(), lr=1e-2, state_precision='8bit', min_quantize_size=64)
+    assert [g['state_precision'] for g in opt.param_groups] == ['4bit', '8bit']
+    assert opt.param_groups[1]['min_quantize_size'] == 64
+    _train(opt, m, 1)
+    assert opt.state[m[0].weight]['grad_avg.codes'].numel() == m[0].weight.numel() // 2
+    assert opt.state[m[0].bias]['grad_avg.codes'].numel() == 256  # (96 elements: one padded block)
+    assert opt.state_dict()['param_groups'][0]['state_precision'] == '4bit'
+    with pytest.raises(ValueError, match="state_precision='int8'.*expected one of"):
+        cbopt.Optimizer(m.parameters(), adam_chain(), state_precision='int8')
+    with pytest.raises(ValueError, match=r"state_precision='2bit' \(group 0\)"):
+        cbopt.Optimizer([{'params': m.parameters(), 'state_precision': '2bit'}], adam_chain())
+    fp = cbopt.Optimizer(m.parameters(), adam_chain())
+    assert 'state_precision' not in fp.param_groups[0]  # an fp32 optimizer's groups are as they were
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------------
+def _saved(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _make(m, prec, **kw):
+    return cbopt.Optimizer(m.named_parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                           state_precision=prec, **kw)
+
+
+@pytest.mark.parametrize('prec', PRECISIONS)
+def test_resume_bit_for_bit(prec):
+    m1 = _model()
+    o1 = _make(m1, prec)
+    _train(o1, m1, 2)
+    sd = _saved(o1.state_dict())
+    names = {'8bit': ('codes', 'absmax'), '4bit': ('codes', 'absmax'), 'fp8': ('codes', 'scale')}.get(prec)
+    st = sd['state'][0]
+    if names: assert {f'grad_avg.{n}' for n in names} <= set(st) and 'grad_avg' not in st
+    else: assert st['grad_avg'].dtype == torch.bfloat16
+    assert sd['param_groups'][0]['state_precision'] == prec
+    m2 = _model()
+    m2.load_state_dict(m1.state_dict())
+    o2 = _make(m2, prec)
+    o2.load_state_dict(sd)
+    rng = torch.get_rng_state()
+    _train(o1, m1, 2, seed=5)
+    torch.set_rng_state(rng)  # (bf16's stochastic rounding draws from torch's RNG)
+    _train(o2, m2, 2, seed=5)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()): assert torch.equal(p1, p2)
+    for k, v in o1.state[m1[0].weight].items():
+        assert torch.equal(v, o2.state[m2[0].weight][k]) if isinstance(v, torch.Tensor) else v == o2.state[m2[0].weight][k]
+
+
+@pytest.mark.parametrize('prec', PRECISIONS)
+def test_fp32_and_low_bit_checkpoints_convert(prec):
+    m = _model()
+    q = _make(m, prec)
+    _train(q, m, 2)
+    deq = q.state_dict(dequantize=True)
+    assert deq['state'][0]['grad_avg'].dtype == torch.float32 and deq['param_groups'][0]['state_precision'] == 'fp32'
+    fp = _make(_model(), 'fp32')
+    fp.load_state_dict(_saved(q.state_dict()))  # a low-bit checkpoint into fp32: dequantized
+    w = fp.param_groups[0]['params'][0]
+    torch.testing.assert_close(fp.state[w]['grad_avg'], deq['state'][0]['grad_avg'], rtol=0, atol=0)
+    back = _make(_model(), prec)
+    back.load_state_dict(fp.state_dict())  # fp32 into low-bit: quantized, to the same stored state
+    w2 = back.param_groups[0]['params'][0]
+    plan = lowbit.param_plan(back.param_groups[0], w2)
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fp.state[w].items()}
+    lowbit.pack(expected, w2, plan)  # (loading fp32 state quantizes it, as a step's end does)
+    for k, v in expected.items():
+        assert torch.equal(v, back.state[w2][k]) if isinstance(v, torch.Tensor) else v == back.state[w2][k], k
+    torch.testing.assert_close(lowbit.dequantized_state(back.state[w2], w2, back.param_groups[0])['grad_avg'],
+                               deq['state'][0]['grad_avg'], rtol=0.3 if prec == '4bit' else 0.07, atol=1e-6)
+    torch_opt = torch.optim.AdamW(_model().parameters())  # torch loads the dequantized one in its own names
+    torch_opt.load_state_dict(q.state_dict(format=torch.optim.AdamW, dequantize=True))
+    assert torch_opt.state[next(iter(torch_opt.state))]['exp_avg'].dtype == torch.float32
+
+
+def test_torch_names_for_low_bit_state():
+    m = _model()
+    q = _make(m, '8bit')
+    _train(q, m, 1)
+    sd = q.state_dict(format=torch.optim.AdamW)
+    assert {'exp_avg.codes', 'exp_avg.absmax', 'exp_avg_sq.codes', 'exp_avg_sq.absmax', 'step'} == set(sd['state'][0])
+    assert sd['param_groups'][0]['state_precision'] == '8bit'
+    again = _make(_model(), '8bit')
+    again.load_state_dict(_saved(sd))
+    w = again.param_groups[0]['params'][0]
+    assert torch.equal(again.state[w]['grad_avg.codes'], q.state[m[0].weight]['grad_avg.codes'])
+
+
+@pytest.mark.parametrize('corrupt,match', [
+    (lambda st, g: st.update({'grad_avg.codes': st['grad_avg.codes'][:-1]}), r"'grad_avg.codes' should be a torch.uint8 tensor of shape"),
+    (lambda st, g: st.pop('grad_avg.absmax'), r"has no 'grad_avg.absmax'"),
+    (lambda st, g: g.update(state_precision='3bit'), r"state_precision is '3bit'.*unknown format"),
+    (lambda st, g: st.update({'grad_avg.scale': st['grad_avg.absmax']}), r"has 'grad_avg.scale', which 8bit does not store"),
+])
+def test_bad_low_bit_checkpoints_refused_changing_nothing(corrupt, match):
+    m = _model()
+    q = _make(m, '8bit')
+    _train(q, m, 1)
+    sd = _saved(q.state_dict())
+    corrupt(sd['state'][0], sd['param_groups'][0])
+    target = _make(_model(), '8bit')
+    _train(target, target.param_groups[0]['params'] and _model(), 0)
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for st in target.state.values() for k, v in st.items()}
+    with pytest.raises(ValueError, match=match): target.load_state_dict(sd)
+    assert {k: v for st in target.state.values() for k, v in st.items()}.keys() == before.keys()
+    fresh = _make(_model(), 'fp32')
+    with pytest.raises(ValueError, match=match): fresh.load_state_dict(sd)
+    assert not any(fresh.state.values())
+
+
+# -- every optimizer --------------------------------------------------------------------------------------------------
+def test_every_prebuilt_takes_state_precision():
+    "Every prebuilt factory and every cbopt.optim class takes `state_precision=` (keyword) and shows it in its groups."
+    import inspect
+    factories = [getattr(cbopt.recipes, n) for n in cbopt.recipes.__all__
+                 if n[0].isupper() and n not in ('LBFGS', 'Lookahead')] + [cbopt.ranger]
+    classes = [getattr(cbopt.optim, n) for n in cbopt.optim.__all__ if n != 'LBFGS']
+    for f in factories + classes:
+        assert 'state_precision' in inspect.signature(f).parameters, f.__name__
+    m = _model()
+    assert cbopt.Lion(m.parameters(), state_precision='4bit').param_groups[0]['state_precision'] == '4bit'
+    opt = cbopt.optim.AdamW(m.parameters(), state_precision='fp8')
+    assert opt.param_groups[0]['state_precision'] == 'fp8'
+    _train(opt, m, 1)
+    assert {'exp_avg.codes', 'exp_avg.scale', 'exp_avg_sq.codes', 'exp_avg_sq.scale', 'step'} == set(opt.state[m[0].weight])
+    with pytest.raises(ValueError, match='state_precision'): cbopt.Adam(m.parameters(), state_precision='16bit')
+
+
+@pytest.mark.parametrize('c', [c for c in __import__('cases').CASES if not c.needs_closure], ids=lambda c: c.id)
+def test_every_case_steps_and_resumes_in_8bit(c):
+    """Each registry algorithm with 8-bit state (every param quantized: `min_quantize_size=1`): finite params after
+    its steps, its signed and non-negative entries stored as codes, and a checkpoint resuming bit for bit."""
+    from conftest import assert_same_params, make_model, train, two_groups
+    lr = slice(3e-3, 3e-2)
+    ref, model = make_model(), make_model()
+    o_ref = c.build(two_groups(ref, True), lr)
+    o_ref.set_state_precision('8bit', 1)
+    torch.manual_seed(0)  # (an accumulator's bf16 stochastic rounding draws from torch's RNG: the same draws in both)
+    train(o_ref, ref, 6)
+    opt = c.build(two_groups(model, True), lr)
+    opt.set_state_precision('8bit', 1)
+    fresh = c.build(two_groups(model, True), lr)
+    fresh.set_state_precision('8bit', 1)
+    torch.manual_seed(0)
+    train(opt, model, 3)
+    for g in opt.param_groups:
+        kinds = lowbit.chain_kinds(tuple(g['cbs']))
+        for p in g['params']:
+            for k in opt.state[p] if not isinstance(opt, cbopt.optim.TorchOptimizer) else opt.__dict__['state'][p]:
+                assert kinds.get(k) not in ('signed', 'nonnegative') or p.numel() != opt.__dict__.get('state', opt.state)[p][k].numel(), (k, c.id)
+    sd = _saved(opt.state_dict())
+    fresh.load_state_dict(sd)
+    train(fresh, model, 3, start=3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_same_params(model, ref)
