@@ -118,7 +118,7 @@ class Optimizer(torch.optim.Optimizer):
         if state_precision != 'fp32' or any(k in g for g in groups for k in SETTINGS):
             for i, g in enumerate(groups):
                 for k, v in lowbit.items(): g.setdefault(k, v)
-                check_settings(g['state_precision'], g['min_quantize_size'], f' (group {i})')
+                check_settings(g['state_precision'], g['min_quantize_size'], f' (group {i})', g['params'])
             defaults.update(lowbit)  # (torch's `defaults`: `add_param_group` fills new groups from it)
         _check_read(defaults, [self.cbs, *(g['cbs'] for g in groups)], '')
         for i, g in enumerate(groups):  # a group dict's own hypers, against its own chain
@@ -172,7 +172,7 @@ class Optimizer(torch.optim.Optimizer):
         _check_complex(g, len(self.param_groups))
         if any(k in g for k in SETTINGS) or 'state_precision' in self.defaults:
             for k in SETTINGS: g.setdefault(k, self.defaults.get(k, {'state_precision': 'fp32'}.get(k, MIN_QUANTIZE_SIZE)))
-            check_settings(g['state_precision'], g['min_quantize_size'], f' (group {len(self.param_groups)})')
+            check_settings(g['state_precision'], g['min_quantize_size'], f' (group {len(self.param_groups)})', g['params'])
         if not self._building:  # (our own __init__ checked its groups before filling in the optimizer's hypers)
             _check_read([k for k in g if k not in NOT_HYPERS], [g['cbs']], f' (group {len(self.param_groups)})',
                         carry=True)
@@ -299,7 +299,7 @@ class Optimizer(torch.optim.Optimizer):
         """Store the state of every group as `state_precision` says from now on (`PRECISIONS`; see
         `cbopt.state.lowbit`): the state kept so far is converted at once (dequantized, then stored anew), so a run can
         switch formats between steps. What the prebuilt optimizers' `state_precision=` calls."""
-        check_settings(state_precision, min_quantize_size)
+        check_settings(state_precision, min_quantize_size, params=self.params)
         states = param_states(self)
         for g in self.param_groups:
             old = [lowbit_plan(g, p) for p in g['params']]

@@ -285,7 +285,12 @@ def test_error_inputs(name, err):
 def test_signature_is_torchs(name):
     import inspect
     ours, theirs = (inspect.signature(getattr(mod, name).__init__) for mod in (cbopt.optim, torch.optim))
-    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+    ours = list(ours.parameters.values())
+    lowbit = ours[-2:]  # torch's signature, then cbopt's low-bit state keywords (keyword-only, at their defaults: fp32)
+    kw = inspect.Parameter.KEYWORD_ONLY
+    assert [(p.name, p.kind, p.default) for p in lowbit] == [('state_precision', kw, 'fp32'),
+                                                             ('min_quantize_size', kw, 4096)]
+    assert [(p.name, p.kind, p.default) for p in ours[:-2]] == \
            [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
 
 
@@ -474,11 +479,12 @@ RECIPES = {'SGD': 'SGD', 'Adam': 'Adam', 'AdamW': 'Adam', 'RMSprop': 'RMSProp', 
 
 
 def _defaults(f) -> str:
-    "A callable's hyper defaults as the table writes them (not params, flags, None or the backend)."
+    "A callable's hyper defaults as the table writes them (not params, flags, None, the backend or low-bit state's)."
     import inspect
     out = []
     for p in inspect.signature(f).parameters.values():
-        if p.name in ('self', 'params', 'backend', 'kwargs') or p.default is inspect.Parameter.empty: continue
+        if p.name in ('self', 'params', 'backend', 'kwargs', 'state_precision', 'min_quantize_size'): continue
+        if p.default is inspect.Parameter.empty: continue
         if isinstance(p.default, bool) or p.default is None or callable(p.default): continue  # (Muon's muon_params)
         out.append(f'`{p.name}={p.default!r}`')
     return ', '.join(out)

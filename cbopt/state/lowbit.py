@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..core.chain import cached, param_chain
+from ..core.dtensor import is_dtensor
 from ..core.quant import FORMATS, bf16_stochastic, dequantize, n_blocks, quantize
 from ..core.runtime import param_states
 from ..core.spec import spec
@@ -44,12 +45,17 @@ SETTINGS = ('state_precision', 'min_quantize_size')
 _PARTS = ('codes', 'absmax', 'scale')
 
 
-def check_settings(precision_: Any, min_size: Any, where: str = '') -> None:
-    "Refuse an unknown `state_precision` or a `min_quantize_size` that is not an int >= 1, naming the group."
+def check_settings(precision_: Any, min_size: Any, where: str = '', params: Iterable = ()) -> None:
+    """Refuse an unknown `state_precision` or a `min_quantize_size` that is not an int >= 1, naming the group; and
+    low-bit state for params sharded as DTensors (FSDP2), which is not supported yet (its blocks would have to be the
+    whole param's, so that a sharded run stores what one process does)."""
     if precision_ not in PRECISIONS:
         raise ValueError(f"state_precision={precision_!r}{where}: expected one of {PRECISIONS}")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_quantize_size={min_size!r}{where}: expected an int >= 1")
+    if precision_ != 'fp32' and any(is_dtensor(p) for p in params):
+        raise NotImplementedError(f"state_precision={precision_!r}{where} with params sharded as DTensors (FSDP2) is not "
+                                  "supported yet: keep state_precision='fp32' for them")
 
 
 def precision(group: Mapping) -> str:
