@@ -87,6 +87,7 @@ def sparse_adam_step(p, lr, mom, sqr_mom, eps, step=0, grad_avg=None, sqr_avg=No
     return {'step': step, 'grad_avg': grad_avg, 'sqr_avg': sqr_avg}
 sparse_adam_step.defaults = dict(mom=0.9, sqr_mom=0.999, eps=1e-8)
 sparse_adam_step.state = dict(step=0, grad_avg=zeros, sqr_avg=zeros)
+sparse_adam_step.state_kinds = dict(step='exact', grad_avg='signed', sqr_avg='nonnegative')
 sparse_adam_step.torch_state = dict(step='step', exp_avg='grad_avg', exp_avg_sq='sqr_avg')
 sparse_adam_step.sparse_grads = 'only'
 sparse_adam_step.supports_complex = False
