@@ -192,8 +192,14 @@ def pytest_runtest_makereport(item, call):
         report.outcome = 'passed'  # the test ran, so the functions it reached are recorded: enough for this pass
 
 
+# the suite's own hook of this name (the registry's known gaps reported as skips) would be replaced by the one below,
+# a module holding one function per name: it is kept and called first
+_suite_modifyitems = globals().get('pytest_collection_modifyitems')
+
+
 @_pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if _suite_modifyitems is not None: _suite_modifyitems(config, items)
     # a mutant's tests fastest first, by the durations of mutmut's first pass: its run stops at the first failure
     # (`-x`), so a killed mutant costs its fastest failing test, not the files' order (a survivor runs them all anyway)
     if _os.environ.get('MUTANT_UNDER_TEST', 'stats') == 'stats': return
