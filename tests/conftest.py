@@ -3,6 +3,8 @@ for the same params at the same step, and the per-tensor comparisons. The algori
 torch and fastai references, tolerances) are in `cases.py`."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,90 @@ def params_and_grads(shapes: list, steps: int, seed: int = 0) -> tuple[list, lis
     "Seeded params of `shapes`, and `steps` lists of grads for them."
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g) for s in shapes], [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+# -- state tests (test_state_save, _load, _formats) ---------------------------------------------------------------------
+def step_random(opt, steps, start=0):
+    "`steps` steps of `opt` on seeded random grads (seeds `start`, `start+1`, ...)."
+    for i in range(start, start + steps):
+        random_grads(opt.params, i)
+        opt.step()
+    return opt
+
+
+def trained_adam(seed=0, lr=0.01, dtype=torch.float32, steps=3):
+    return step_random(cbopt.Adam(make_model(seed, dtype).named_parameters(), lr=lr, wd=0.1), steps, start=seed * 10)
+
+
+def state_snapshot(opt):
+    "Everything a load may change: each param's state (deep-copied) and the hypers, by name."
+    return ({n: copy.deepcopy(dict(opt.state[p])) for n, p in opt.named_params().items() if p in opt.state},
+            [dict(h) for h in opt.hypers])
+
+
+def assert_same_snapshot(a, b):
+    "Deep equality of snapshots, tensors compared exactly (dtype included)."
+    (sa, ha), (sb, hb) = a, b
+    assert ha == hb
+    assert sa.keys() == sb.keys()
+    for n in sa:
+        assert sa[n].keys() == sb[n].keys(), n
+        for k, v in sa[n].items():
+            if torch.is_tensor(v): torch.testing.assert_close(v, sb[n][k], rtol=0, atol=0)
+            else: assert v == sb[n][k], (n, k)
+
+
+def assert_same_state(opt, ref):
+    "Two optimizers over different params have equal state and params, param by param (by name)."
+    assert_same_snapshot(state_snapshot(opt), state_snapshot(ref))
+    for p, q in zip(opt.params, ref.params): torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))  # 0.weight (2, 3), 0.bias, 1.weight (1, 2), 1.bias
+
+
+def seeded_grads(ps, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in ps: p.grad = torch.randn(p.shape, generator=g)
+
+
+def small_adam(steps: int = 2, groups: bool = False, **kw) -> cbopt.Optimizer:
+    m = small_model()
+    named = list(m.named_parameters())
+    opt = cbopt.Adam([named[:2], named[2:]] if groups else named, lr=0.01, **kw)
+    for i in range(steps):
+        seeded_grads(opt.params, i)
+        opt.step()
+    return opt
+
+
+def assert_load_rejected(opt, sd, exc, message: str) -> None:
+    "Loading `sd` raises `exc` with exactly `message` and leaves `opt` as it was."
+    before = state_snapshot(opt)
+    with pytest.raises(exc) as e: opt.load_state_dict(sd)
+    got = e.value.args[0] if exc is KeyError else str(e.value)
+    assert got == message
+    after = state_snapshot(opt)
+    assert after[1] == before[1] and after[0].keys() == before[0].keys()
+    for n in before[0]:
+        for k, v in before[0][n].items():
+            assert torch.equal(v, after[0][n][k]) if torch.is_tensor(v) else v == after[0][n][k]
+
+
+MODEL_NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']  # make_model's
+
+
+ADAM_KEYS = {'grad_avg', 'sqr_avg', 'step'}
+
+
+def equal_values(a, b) -> bool:
+    "Equal values of the same types, tensors (torch.equal) and tuples included."
+    if torch.is_tensor(a) or torch.is_tensor(b): return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict): return type(b) is dict and a.keys() == b.keys() and all(equal_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return type(a) is type(b) and len(a) == len(b) and all(map(equal_values, a, b))
+    return type(a) is type(b) and a == b
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     'callbacks': (['cbopt/callbacks/fastai.py'], ['tests/test_callbacks.py']),
     'tensorlist': (['cbopt/core/tensorlist.py'], ['tests/test_tensorlist.py']),
-    'state': (['cbopt/state/*.py'], ['tests/test_state_units.py', 'tests/test_state_dict.py', 'tests/test_resume.py',
+    'state': (['cbopt/state/*.py'], ['tests/test_state_load.py', 'tests/test_state_formats.py', 'tests/test_state_save.py',
+                                     'tests/test_resume.py',
                                      # what torch.optim's own classes save and load (`torch_class_state_dict`,
                                      # `_torch_group`, `_check_flags`, LBFGS's history: `torch_model_state`/`_entries`)
                                      *[f'tests/test_optim.py::{t}' for t in (
@@ -74,7 +75,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                            'test_number_tensor_is_a_float64_count_on_the_params_device',
                                            'test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly')],
                                        # `model_plan`'s refusal of flat whole-model state in several groups
-                                       'tests/test_state_units.py::'
+                                       'tests/test_state_load.py::'
                                        'test_flat_whole_model_state_in_several_groups_is_rejected_before_anything_changes']),
 }
 
