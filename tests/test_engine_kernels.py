@@ -361,3 +361,26 @@ def test_grad_scaler_found_inf_on_the_device_as_torchs_fused_optimizer(name, mon
     train(opt, model, 2, start=9), train(ref_opt, ref, 2, start=9)
     assert_same_params(model, ref, f'{name} after the scaler')
     assert all(type(raw[p].get('step', 0)) is int for p in opt.params)
+
+
+def test_in_backward_steps_counts_left_on_the_device(monkeypatch):
+    """State that stepped under GradScaler on a device (counts as float32 tensors there) steps on in `InBackward`'s
+    hook with torch's kernel, the counts counted on the device: as the same optimizer stepping after backward."""
+    monkeypatch.setattr(dispatch, 'HOST_READ_DEVICES', ())
+    m, ref = make_model(), make_model()
+    opt, ref_opt = (cbopt.Adam(x.parameters(), lr=1e-2, backend='fused') for x in (m, ref))  # (fused: GradScaler's
+    for model, o in ((m, opt), (ref, ref_opt)):  # fused protocol, found_inf handed to the step)
+        train(o, model, 1)
+        sc = torch.amp.GradScaler('cpu', init_scale=2. ** 8)
+        o.zero_grad()
+        sc.scale(batch_loss(model, 1)).backward()
+        sc.step(o)
+    assert all(torch.is_tensor(param_states(opt)[p]['step']) for p in opt.params)
+    inb = cbopt.InBackward(opt)
+    opt.zero_grad()  # (the scaled step's grads: backward would add to them)
+    for i in range(2, 4):
+        batch_loss(m, i).backward()
+        inb.step()
+        train(ref_opt, ref, 1, start=i)
+    assert_same_params(m, ref)
+    assert [float(param_states(opt)[p]['step']) for p in opt.params] == [4.] * 4

@@ -174,7 +174,8 @@ def fused_adamw(b: Bucket, hyper: Mapping, maximize: bool = False, amsgrad: bool
     moments = ('grad_avg', 'sqr_avg', 'max_sqr_avg') if amsgrad else ('grad_avg', 'sqr_avg')
     if _algo_keys(st) != {*moments, 'step'} or 'dampening' in hyper: return None
     kernel = fused_kernel(op)
-    if kernel is None or not (step := _next_step(st, scales)): return None
+    if kernel is None: return None
+    step = _next_step(st)
 
     def call(ps, gs, *bufs, grad_scale, found_inf):
         no_max = [] if amsgrad else [[]]  # the kernel's max_exp_avg_sqs: empty without amsgrad
@@ -225,7 +226,8 @@ def fused_adagrad(b: Bucket, hyper: Mapping, maximize: bool = False, decoupled: 
     if _algo_keys(st) != {'sqr_sum', 'step'}: return None
     if decoupled and _wd(hyper, st) != 0: return None
     kernel = fused_kernel('_fused_adagrad_')
-    if kernel is None or not (step := _next_step(st, scales)): return None
+    if kernel is None: return None
+    step = _next_step(st)
 
     def call(ps, gs, sums, grad_scale, found_inf):
         kernel(ps, gs, sums, _steps(b, ps, step), lr=hyper['lr'], lr_decay=hyper['lr_decay'],
@@ -272,18 +274,18 @@ def _wd(hyper: Mapping, st: Mapping):
     return hyper['wd'] if st.get('do_wd', True) else 0.
 
 
-def _next_step(st: Mapping, scales: Mapping) -> int | bool:
-    """The count of the step a kernel is asked for: the state's count plus one (a number; True where the counts are on
-    the device, `_counted_on_device`, which then count it); False where the kernel cannot count it (a count left on
-    the device, asked without GradScaler's flag: the engine makes the counts numbers before such a step)."""
-    if not isinstance(st['step'], torch.Tensor): return st['step'] + 1
-    return 'found_inf' in scales
+def _next_step(st: Mapping) -> int | bool:
+    """The count of the step a kernel is asked for: the state's count plus one, or True where the counts are on the
+    device (`_counted_on_device` then counts them there: a step after GradScaler's, `InBackward`'s hook on state that
+    stepped under GradScaler)."""
+    return True if isinstance(st['step'], torch.Tensor) else st['step'] + 1
 
 
 def _steps(b: Bucket, ps: list, step: int | bool) -> list:
     """The step counts the kernel reads for params `ps` of `b`: each param's own tensor where the counts are on the
-    device (then `ps` is the whole bucket: `kernel_step` cuts no runs under GradScaler), else the one kept tensor of
-    the count `step` (`_step_tensor`), for every param."""
+    device (then `ps` is the whole bucket: `kernel_step` cuts no runs under GradScaler, and a step with a clip, which
+    would, makes the counts numbers first: `dispatch.counts_as_numbers`), else the one kept tensor of the count
+    `step` (`_step_tensor`), for every param."""
     if isinstance(b.states[0]['step'], torch.Tensor): return [s['step'] for s in b.states]
     return [_step_tensor(step, ps[0].device)] * len(ps)
 
@@ -292,18 +294,18 @@ def _counting_steps(run: Callable[[], None], b: Bucket, step: int | bool,
                     found_inf: torch.Tensor | None = None) -> Callable[[], None]:
     """`run`, then the bucket's step count `step`, as `step_stat` leaves it; with GradScaler's `found_inf`, counted on
     the device instead (`_counted_on_device`)."""
-    if found_inf is not None: return _counted_on_device(run, b, found_inf)
+    if found_inf is not None or step is True: return _counted_on_device(run, b, found_inf)
     def counted():
         run()
         for s in b.states: s['step'] = step
     return counted
 
 
-def _counted_on_device(run: Callable[[], None], b: Bucket, found_inf: torch.Tensor) -> Callable[[], None]:
+def _counted_on_device(run: Callable[[], None], b: Bucket, found_inf: torch.Tensor | None) -> Callable[[], None]:
     """`run` under GradScaler without reading its `found_inf` on the host, as torch's fused optimizers do: each param's
     step count becomes a float32 0-d tensor on its device (in its state, `step`: made by a fill, no copy from the host),
     which is counted in place before the kernel and uncounted by `found_inf` after it (the kernel skipped that step
-    where it is 1). The engine makes them numbers again (one read) before a step that needs them as numbers
+    where it is 1; without it, counts already on the device are counted there). The engine makes them numbers again (one read) before a step that needs them as numbers
     (`counts_as_numbers`); checkpoints read them as numbers."""
     def counted():
         steps = []
@@ -313,5 +315,5 @@ def _counted_on_device(run: Callable[[], None], b: Bucket, found_inf: torch.Tens
             steps.append(t)
         foreach_op('add_')(steps, 1.)
         run()
-        foreach_op('sub_')(steps, [found_inf] * len(steps))
+        if found_inf is not None: foreach_op('sub_')(steps, [found_inf] * len(steps))
     return counted
