@@ -337,7 +337,8 @@ class AdamW(TorchOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None) -> None:
-        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize), _switches(locals()), lr=lr, betas=betas, eps=eps,
+        self._build(_fastai.Adam, params, dict(amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=True),
+                    _switches(locals()), lr=lr, betas=betas, eps=eps,
                     wd=weight_decay, decouple_wd=True, amsgrad=amsgrad, maximize=maximize,
                     backend=_backend('AdamW', foreach, fused, differentiable))
 

@@ -850,3 +850,17 @@ def test_lbfgs_state_shows_its_history_as_torchs():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, check_dtype=False)  # (cbopt keeps `ro`, `t` floats)
     ours['n_iter'] = 7
     assert opt.param_groups[0]['lbfgs.n_iter'] == 7 and opt.state_dict()['state'][0]['n_iter'] == 7
+
+
+@pytest.mark.parametrize('impl', [dict(foreach=False), dict(foreach=True)])
+def test_adamw_group_with_l2_decay_steps_as_torchs(impl):
+    """A group of AdamW with `decoupled_weight_decay=False` decays by L2, as in torch's AdamW (its own chain), beside a
+    decoupled group; its state_dict says so, per group."""
+    m, ref = _model(), _model()
+    groups = lambda mod: [{'params': list(mod[0].parameters())},
+                          {'params': list(mod[2].parameters()), 'decoupled_weight_decay': False}]
+    opt = cbopt.optim.AdamW(groups(m), lr=0.05, weight_decay=0.3, **impl)
+    twin = torch.optim.AdamW(groups(ref), lr=0.05, weight_decay=0.3, **impl)
+    _run(opt, m, N_STEPS), _run(twin, ref, N_STEPS)
+    assert_rel_close(m, ref, 1e-6)
+    assert [g['decoupled_weight_decay'] for g in opt.state_dict()['param_groups']] == [True, False]

@@ -32,7 +32,8 @@ TORCH_CHAIN_FLAGS = ('amsgrad', 'maximize', 'nesterov', 'centered', 'decoupled_w
 TORCH_OPTIONAL_STATE = ('step',  # torch counts steps in every algorithm but SGD and Muon; cbopt where the math uses it
                         'eta', 'mu')  # ASGD's lr and averaging weight: cbopt computes them from the step
 TORCH_DECOUPLED = ('Adafactor', 'Muon')  # torch's classes whose weight_decay is decoupled with no flag saying so
-# flags torch's classes save in every group though their constructor does not take them (AdamW is Adam with this set)
+# flags torch's classes save in every group though their constructor does not take them (AdamW is Adam with this set,
+# by default: a group dict may say otherwise)
 TORCH_FIXED_FLAGS = {'AdamW': {'decoupled_weight_decay': True}}
 # a key only torch's L2-decaying classes save (SGD, RMSprop, Adagrad, Adadelta, ASGD): a group holding one decays by L2
 # though it has no `decoupled_weight_decay` flag (Adam's and AdamW's groups from before torch 2.6 have neither: unknown)

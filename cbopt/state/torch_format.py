@@ -87,7 +87,8 @@ def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backen
     for k, default in {**sig, **fixed}.items():
         canon = names.get(k)
         parts = canon if isinstance(canon, tuple) else (canon,)  # (None: no hyper of cbopt's)
-        if k in fixed: out[k] = default
+        if k in fixed: out[k] = (k in flags) if k in TORCH_CHAIN_FLAGS and k not in reads else default  # (its default:
+        # a group may set it otherwise, as a group of torch's AdamW with decoupled_weight_decay=False decays by L2)
         elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
         elif all(c in hyper for c in parts):
             out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
