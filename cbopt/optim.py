@@ -254,12 +254,12 @@ class TorchOptimizer(Optimizer):
     def _as_torch_group(self, i: int, g: ParamGroup, own: Mapping) -> ParamGroup:
         """Group `i` (built by the recipe, by cbopt's names) as its torch class's groups hold it: `TorchParamGroup`,
         with the entries `torch_class_state_dict` writes (its chain's flags) and the switches the optimizer or the group
-        dict gave (`own`: torch keeps a group's own `foreach`, `fused`..., and so does cbopt; the optimizer's backend
-        steps every group). LBFGS keeps cbopt's group (its history is whole-model state, in the group)."""
+        dict gave (`own`: torch keeps a group's own `foreach`, `fused`..., and so does cbopt; where they differ from the
+        constructor's they choose the group's runner: `group_backends`). LBFGS keeps cbopt's group (its history is whole-model state, in the group)."""
         if not self._torch_groups_live: return g
         cbs, hyper = g['cbs'], dict(Hypers(g))
         entries = torch_group_entries(f"param group {i} (chain [{chain_name(cbs)}])", self.torch_class, cbs, hyper,
-                                      self.backend)
+                                      self.backend, own_class=True)
         switches = {k: v for k, v in {**self._recipe[2], **own}.items() if k in _IMPL_FLAGS or k not in entries}
         out = TorchParamGroup({'params': g['params'], **entries, **switches, 'param_names': g['param_names'],
                                **model_entries(g), **{k: g[k] for k in SETTINGS if k in g}})  # (its algorithm flags
@@ -275,6 +275,24 @@ class TorchOptimizer(Optimizer):
         "Each class's `__init__` also takes `state_precision=` and `min_quantize_size=` (`takes_state_precision`)."
         super().__init_subclass__(**kwargs)
         if '__init__' in cls.__dict__: cls.__init__ = takes_state_precision(cls.__init__)
+
+    def group_backends(self) -> dict | None:
+        """The groups whose own `foreach`/`fused` entries (a group dict's, torchtitan's in every group, or written
+        later, as torch reads them at each step) differ from the constructor's: each steps with the runner they name
+        (`foreach=True` foreach, `False` the loop, `fused=True` fused, neither `auto`) where it is not the optimizer's
+        backend. None where there is none: every group steps with `backend` (which `opt.backend = ...` sets)."""
+        recipe = self.__dict__.get('_recipe')  # (none: an optimizer pickled before there were recipes)
+        if recipe is None: return None
+        base = recipe[2]
+        f0, u0, kind, out = base.get('foreach'), base.get('fused'), self.backend_options.kind, None
+        for g in self.param_groups:
+            f, u = g.get('foreach', f0), g.get('fused', u0)
+            if f == f0 and u == u0: continue
+            own = 'fused' if u else 'foreach' if f else 'loop' if f is False else 'auto'
+            if own != kind:
+                if out is None: out = {}
+                out[id(g)] = own
+        return out
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`: torch's names and switches in the group dict, its algorithm flags choosing the

@@ -159,6 +159,12 @@ class Optimizer(torch.optim.Optimizer):
     @backend.setter
     def backend(self, backend: str | Backend) -> None: self.backend_options = as_backend(backend, self.backend_options)
 
+    def group_backends(self) -> dict | None:
+        """The groups that step with another runner than the optimizer's backend (`id(group)` -> its kind), read by
+        the engine at each step; None (cbopt's optimizers): every group steps with `backend`. `cbopt.optim`'s classes
+        answer with the groups whose own `foreach`/`fused` entries differ from the constructor's, as torch's do."""
+        return None
+
     # -- params and groups ---------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         "Add a group (any accepted params form under `params`); missing hypers come from `defaults`."

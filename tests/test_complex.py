@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures('one_thread')
 CLOSURE = ('LBFGS',)  # steps with a closure: its own test below (test_lbfgs_steps_complex_params_as_torch)
 COMPLEX = {info.optim_cls.__name__: info for info in optim_db if hasattr(cbopt.optim, info.optim_cls.__name__)
            and info.supports_complex and info.optim_cls.__name__ not in CLOSURE}
-REFUSED = [info.optim_cls.__name__ for info in optim_db
-           if hasattr(cbopt.optim, info.optim_cls.__name__) and not info.supports_complex]
+REFUSED = [info.optim_cls.__name__ for info in optim_db  # (SparseAdam refuses them as torch's: test_optim's errors)
+           if hasattr(cbopt.optim, info.optim_cls.__name__) and not info.supports_complex
+           and not info.only_supports_sparse_grads]
 STEPS = 8
 FUSED = ('AdamW', 'NAdam')  # fused: torch's kernel on the real views; a compiled chain (with 0-d state)
 

@@ -30,8 +30,6 @@ DIFFERENCES = {
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "Adafactor and Muon refuse them at construction (TypeError naming the param), torch's at "
                              "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them",
-    ('*', 'per-group foreach/fused'): "kept in the group and its state_dicts as torch keeps them, but the optimizer's "
-                                      "backend steps every group (one backend per optimizer)",
 }
 # torch's error inputs that meet a difference above, by their message: what cbopt does instead
 ERROR_DIFFERENCES = {'Adafactor does not support complex': (TypeError, 'is complex.*does not support'),
@@ -864,3 +862,30 @@ def test_adamw_group_with_l2_decay_steps_as_torchs(impl):
     _run(opt, m, N_STEPS), _run(twin, ref, N_STEPS)
     assert_rel_close(m, ref, 1e-6)
     assert [g['decoupled_weight_decay'] for g in opt.state_dict()['param_groups']] == [True, False]
+
+
+def test_group_foreach_and_fused_choose_its_runner(monkeypatch):
+    """A group's own `foreach`/`fused` (torchtitan writes them into every group) choose the runner that steps it, as
+    torch's per-group flags do, the other groups the optimizer's backend; written into a live group, they apply at the
+    next step; numbers as torch's class's."""
+    import cbopt.engine.dispatch as dispatch
+    calls, runners = [], dict(dispatch.RUNNERS)
+    for k, run in runners.items():
+        monkeypatch.setitem(dispatch.RUNNERS, k, lambda opt, b, hyper, k=k, run=run: (calls.append(k), run(opt, b, hyper)))
+    m, ref = _model(), _model()
+    groups = lambda mod: [{'params': list(mod[0].parameters()), 'foreach': False},
+                          {'params': list(mod[2].parameters()), 'fused': True}]
+    opt = cbopt.optim.AdamW(groups(m), lr=0.05, foreach=True)
+    twin = torch.optim.AdamW(groups(ref), lr=0.05, foreach=True)
+    _run(opt, m, 2), _run(twin, ref, 2)
+    assert calls == ['loop', 'fused'] * 2
+    opt.param_groups[0]['foreach'] = True  # as the constructor's: the optimizer's backend again
+    twin.param_groups[0]['foreach'] = True
+    calls.clear()
+    _run(opt, m, 1, start=2), _run(twin, ref, 1, start=2)
+    assert calls == ['foreach', 'fused']
+    assert_rel_close(m, ref, 1e-6)
+    assert [(g['foreach'], g['fused']) for g in opt.state_dict()['param_groups']] == [(True, None), (True, True)]
+    titan = cbopt.optim.AdamW([{'params': list(_model().parameters()), 'foreach': True, 'fused': False}])
+    assert titan.backend == 'auto' and list(titan.group_backends().values()) == ['foreach']
+    assert cbopt.optim.AdamW(_model().parameters(), foreach=True).group_backends() is None  # (the default: no work)

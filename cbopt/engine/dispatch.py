@@ -109,6 +109,8 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
     never reaches the loop backend, which does not claim GradScaler's protocol (`_step_supports_amp_scaling`)."""
     kind, scales = opt.backend_options.kind, scales or {}
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return  # only whole-model callbacks (lbfgs)
+    if (kinds := opt.group_backends()) is not None:
+        return _run_group_backends(opt, snapshots, kinds, check, scales, loss_scale)
     if kind == 'loop':  # the reference needs no bucketing: one call per group
         todo = [(g, [p for p in g['params'] if p.grad is not None]) for g in opt.param_groups]
         if check and any(bucketing.grad_is_odd(p) for _, ps in todo for p in ps): check_grads(opt)
@@ -136,6 +138,28 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
                 run(opt, b, hyper)
 
 
+def _run_group_backends(opt, snapshots: Mapping, kinds: Mapping, check: bool, scales: Mapping,
+                        loss_scale: torch.Tensor | None) -> None:
+    """`run_buckets` where some groups step with their own runner (`kinds`: `Optimizer.group_backends`, torch's
+    per-group `foreach`/`fused`): each bucket (of one group) with its group's, the others with the optimizer's."""
+    kind = opt.backend_options.kind
+    buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
+    sparse = runtime(opt).bucket_plan.sparse
+    for whole in buckets:
+        own = 'loop' if sparse and bucketing.is_sparse(whole) else kinds.get(id(whole.group), kind)
+        if own == 'fused': _check_fused_devices([whole])
+        hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
+        for c in lowbit_chunks(opt, whole):  # (low-bit state: each chunk's as fp32 tensors while it runs)
+            with as_real(c) as b:
+                if (scale is not None or loss_scale is not None) and own in ('fused', 'auto'):
+                    if (kernel := torch_kernel(b, hyper, scale, loss_scale, scale_in_place=in_place)) is not None:
+                        kernel()
+                        continue
+                if loss_scale is not None: unscale_grads(b.params, loss_scale)
+                if scale is not None: scale_grads(b.params, scale, in_place)
+                RUNNERS[own](opt, b, hyper)
+
+
 HOST_READ_DEVICES = ('cpu',)  # where GradScaler's `found_inf` is read on the host: free there (no device to wait for)
 
 
@@ -152,6 +176,7 @@ def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss
     and skip the step on the host). The kernels count the steps on the device (`kernels._counted_on_device`)."""
     if opt.backend_options.kind not in ('auto', 'fused') or read_on_host(found_inf): return False
     if any(g.get('state_precision', 'fp32') != 'fp32' for g in opt.param_groups): return False  # (`engine.lowbit`)
+    if opt.group_backends() is not None: return False  # (groups with runners of their own: the step reads found_inf)
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return False
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads)
     if runtime(opt).bucket_plan.sparse: return False  # (sparse grads step in the loop runner)

@@ -37,8 +37,9 @@ def torch_class_state_dict(opt: Optimizer, cls: type, dequantize: bool = False) 
     for i, (g, saved) in enumerate(zip(opt.param_groups, base['param_groups'])):
         cbs, hyper = g['cbs'], {k: v for k, v in saved.items() if k not in NOT_HYPERS and not is_model_entry(k)}
         where = f"param group {i} (chain [{chain_name(cbs)}])"
-        entries = torch_group_entries(where, cls, cbs, hyper, opt.backend)
-        if isinstance(g, TorchParamGroup) and cls is getattr(opt, 'torch_class', None):  # cbopt.optim's: as the group
+        own_class = isinstance(g, TorchParamGroup) and cls is getattr(opt, 'torch_class', None)
+        entries = torch_group_entries(where, cls, cbs, hyper, opt.backend, own_class)
+        if own_class:  # cbopt.optim's: as the group
             entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
         own = {k: _plain(v) for k, v in g.items() if is_framework_key(k, cbs) and k not in entries}  # timm's lr_scale...
         groups.append({**entries, **own, **{k: saved[k] for k in SETTINGS if k in saved},  # (low-bit: its format)
@@ -76,10 +77,12 @@ def torch_class_state_dict(opt: Optimizer, cls: type, dequantize: bool = False) 
 def _nonzero(v: Any) -> bool: return bool(v != 0)  # (not float(v): a hyper may be a tensor that requires grad)
 
 
-def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backend: str) -> dict:
+def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backend: str, own_class: bool = False) -> dict:
     """One group's entries as torch's class `cls` saves them (and a `cbopt.optim` class's groups hold them): its
     constructor's arguments (at their defaults where the chain does not say) and the flags it fixes
-    (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`."""
+    (`TORCH_FIXED_FLAGS`); see `torch_class_state_dict`. `own_class`: the group is one of `cls`'s twin in `cbopt.optim`,
+    whose group dict may set such a flag otherwise (AdamW's `decoupled_weight_decay=False`, as torch's AdamW takes it);
+    a chain written for another class with its flag otherwise is refused (torch's AdamW sets it again on loading)."""
     names, flags, reads = torch_hyper_names(cbs), chain_flags(cbs), chain_reads(cbs)
     what, fixed = f"torch.optim.{cls.__name__}", TORCH_FIXED_FLAGS.get(cls.__name__, {})
     sig = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k not in ('self', 'params')}
@@ -87,8 +90,7 @@ def torch_group_entries(where: str, cls: type, cbs: list, hyper: Mapping, backen
     for k, default in {**sig, **fixed}.items():
         canon = names.get(k)
         parts = canon if isinstance(canon, tuple) else (canon,)  # (None: no hyper of cbopt's)
-        if k in fixed: out[k] = (k in flags) if k in TORCH_CHAIN_FLAGS and k not in reads else default  # (its default:
-        # a group may set it otherwise, as a group of torch's AdamW with decoupled_weight_decay=False decays by L2)
+        if k in fixed: out[k] = (k in flags) if own_class and k in TORCH_CHAIN_FLAGS and k not in reads else default
         elif k in TORCH_CHAIN_FLAGS and k not in reads: out[k] = k in flags
         elif all(c in hyper for c in parts):
             out[k] = tuple(hyper[c] for c in parts) if isinstance(canon, tuple) else hyper[canon]
