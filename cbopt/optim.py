@@ -36,7 +36,8 @@ from .core.names import is_positional
 from .core.runtime import user_stacklevel
 from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
                           from_torch_names, model_entries, same_value)
-from .optimizer import Optimizer, takes_state_precision
+from . import engine
+from .optimizer import Optimizer, complex_refused_at_step, takes_state_precision, unsupported_complex
 from .state.lowbit import SETTINGS
 from .state.formats import TORCH_CHAIN_FLAGS
 from .state.torch_format import torch_group_entries
@@ -196,6 +197,15 @@ def _differentiable_run(opt: TorchOptimizer, closure: Callable | None = None, lo
     differentiable_step(opt, closure, loss)
 
 
+def _complex_refusing_run(opt: TorchOptimizer, closure: Callable | None = None, loss: Any = None) -> None:
+    """The step of a `cbopt.optim` optimizer holding complex params its chain does not support: torch's RuntimeError
+    (its words: torch's Adafactor and Muon refuse them at the step) where one has a grad, else the engine's step."""
+    for g in opt.param_groups:
+        if unsupported_complex(g) is not None and any(p.is_complex() and p.grad is not None for p in g['params']):
+            raise RuntimeError(f"{type(opt).__name__} does not support complex parameters")
+    engine.run_step(opt, closure, loss)
+
+
 class TorchOptimizer(Optimizer):
     """The base of `cbopt.optim`'s classes: a cbopt `Optimizer` built by a cbopt recipe from torch's arguments.
     `_build` adopts the optimizer the recipe returns, so the class is a thin layer: no math of its own. Its
@@ -241,12 +251,14 @@ class TorchOptimizer(Optimizer):
         for g, o in zip(groups if own else (), own):  # flags (or momentum) choosing another algorithm: its own chain
             if key := _chain_key(type(self), recipe, o, g): g['cbs'] = _chain_for(recipe, key)
         differentiable = bool((switches or {}).get('differentiable'))
-        with non_leaf_params() if differentiable else contextlib.nullcontext(): built = make(groups, **kw)
+        with non_leaf_params() if differentiable else contextlib.nullcontext(), complex_refused_at_step():
+            built = make(groups, **kw)
         self.__dict__.update(built.__dict__)
         self._recipe = recipe
         if differentiable:  # torch's differentiable=True: the step is recorded by autograd
             self.defaults['differentiable'] = True
             self._run_step = _differentiable_run
+        self._refuse_complex_at_step()
         self.param_groups = [self._as_torch_group(i, g, own[i] if i < len(own) else {})
                              for i, g in enumerate(self.param_groups)]
         for i, g in enumerate(self.param_groups): _refuse_capturable(type(self).__name__, i, g)
@@ -270,6 +282,14 @@ class TorchOptimizer(Optimizer):
         return out
 
     _torch_groups_live = True  # (LBFGS: False)
+
+    def _refuse_complex_at_step(self) -> None:
+        """Where a group holds complex params its chain does not support (Adafactor's, Muon's), the step refuses them
+        as torch's does, in its words, before anything changes (`_complex_refusing_run`): set only then, so that
+        no other step does more."""
+        if any(unsupported_complex(g) is not None and any(p.is_complex() for p in g['params'])
+               for g in self.param_groups):
+            self._run_step = _complex_refusing_run
 
     def __init_subclass__(cls, **kwargs):
         "Each class's `__init__` also takes `state_precision=` and `min_quantize_size=` (`takes_state_precision`)."
@@ -306,9 +326,11 @@ class TorchOptimizer(Optimizer):
                                  f"{'with' if named else 'without'} names to the optimizer")  # torch's words
         (g,), (own,) = _torch_groups(type(self).__name__, [param_group], self.torch_group_names)
         if key := _chain_key(type(self), self._recipe, own, g): g['cbs'] = _chain_for(self._recipe, key)
-        with non_leaf_params() if self.defaults.get('differentiable') else contextlib.nullcontext():
+        with non_leaf_params() if self.defaults.get('differentiable') else contextlib.nullcontext(), \
+                complex_refused_at_step():
             super().add_param_group(g)
         self.param_groups[-1] = self._as_torch_group(len(self.param_groups) - 1, self.param_groups[-1], own)
+        self._refuse_complex_at_step()
         try: _refuse_capturable(type(self).__name__, len(self.param_groups) - 1, self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()  # (all or nothing: the group is not added)

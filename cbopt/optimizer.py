@@ -2,11 +2,13 @@
 while being a real `torch.optim.Optimizer` (schedulers, GradScaler, hooks, closures) with named state."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -480,10 +482,29 @@ class Optimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}([{cbs}], {len(self.param_groups)} groups, {len(self.params)} params)"
 
 
+_COMPLEX_AT_STEP = contextvars.ContextVar('complex_at_step', default=False)
+
+
+@contextlib.contextmanager
+def complex_refused_at_step() -> Iterator[None]:
+    """While building (or adding a group to) a `cbopt.optim` class, complex params that its chain does not support are
+    taken: torch refuses them at the step (`refusing_complex`), and its drop-in does as torch's; cbopt's own classes
+    refuse them when built (`_check_complex`), naming the param."""
+    token = _COMPLEX_AT_STEP.set(True)
+    try: yield
+    finally: _COMPLEX_AT_STEP.reset(token)
+
+
+def unsupported_complex(g: Mapping) -> Callable | None:
+    "The callback of the group's chain that does not support complex params (`cb.supports_complex = False`), if any."
+    return next((cb for cb in g['cbs'] if not spec(cb).supports_complex), None)
+
+
 def _check_complex(g: Mapping, i: int) -> None:
     """Complex params step on their real views (`engine.buckets.as_real`), except in a chain with a callback declaring
     `cb.supports_complex = False` (Adafactor's factored moments, Muon's orthogonalisation: torch refuses them too)."""
-    bad = next((cb for cb in g['cbs'] if not spec(cb).supports_complex), None)
+    if _COMPLEX_AT_STEP.get(): return
+    bad = unsupported_complex(g)
     if bad is None: return
     for name, p in zip(g['param_names'], g['params']):
         if p.is_complex():

@@ -28,12 +28,10 @@ DIFFERENCES = {
                                "param twice); cbopt.optim warns torch's words and steps it once (the copy dropped); "
                                "cbopt's own classes refuse it (ValueError naming the param)",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
-    ('*', 'complex params'): "Adafactor and Muon refuse them at construction (TypeError naming the param), torch's at "
-                             "the first step (RuntimeError); torch's fused=True refuses them, cbopt's fused steps them",
+    ('*', 'complex params'): "torch's fused=True refuses them, cbopt's fused steps them (on their real views)",
 }
 # torch's error inputs that meet a difference above, by their message: what cbopt does instead
-ERROR_DIFFERENCES = {'Adafactor does not support complex': (TypeError, 'is complex.*does not support'),
-                     'Muon does not support complex': (TypeError, 'is complex.*does not support')}
+ERROR_DIFFERENCES = {}
 
 
 def configs():
