@@ -67,6 +67,13 @@ def _check_read(names: Iterable[str], chains: Iterable, where: str, carry: bool 
         raise TypeError(f"hyper {k!r}{where} is read by no callback of this optimizer, so it would be ignored; {hint}")
 
 
+def _zero(lr) -> bool:
+    """Whether `lr` is 0, as DCP's init step sets it (0.0, or `torch.tensor(0.)` for a tensor lr: on the CPU). A tensor
+    lr on a GPU is never that, and is not read (a read would wait for the GPU at every step)."""
+    if isinstance(lr, torch.Tensor) and not lr.is_cpu: return False
+    return lr == 0
+
+
 def _run_hooks(hooks: Mapping, opt: Optimizer, *value):
     "Run one of torch's hook dicts (`_optimizer_*_hooks`) as torch does: a hook returning a value replaces `value`."
     for hook in hooks.values():
@@ -379,7 +386,7 @@ class Optimizer(torch.optim.Optimizer):
         checkpoint of a fresh optimizer then resumes as the fresh one would, where torch's AdamW counts it), it moves
         no param (Composer's decay at lr 0 would) and it runs in eval mode too (schedule-free's refuses to step there).
         A user's own step with lr 0 is a step."""
-        if not all(g.get('lr', 0) == 0 for g in self.param_groups): return False  # (first: cheap, and rarely true)
+        if not all(_zero(g.get('lr', 0)) for g in self.param_groups): return False  # (first: cheap, and rarely true)
         if any(split_flags(s)[0] for s in param_states(self).values()): return False
         return in_dcp_init_step()
 

@@ -86,7 +86,8 @@ class FakeKernels:
                 assert all(s.dtype == torch.float32 and s.dim() == 0 for s in steps), \
                     f"{name}: step counts {sorted({str(s.dtype) for s in steps})}: CUDA reads them as float32"
             self.calls[name] += 1
-            if name in ('_fused_adamw_', '_fused_adam_'): real(params, *lists, **kw)
+            if name in ('_fused_adamw_', '_fused_adam_') and not isinstance(kw.get('lr'), torch.Tensor):
+                real(params, *lists, **kw)  # (a tensor lr: no fake CUDA kernel in a CPU build)
         return kernel
 
     @contextlib.contextmanager

@@ -190,3 +190,18 @@ def test_grad_scaler_with_a_chain_reads_found_inf_once():
         opt = cbopt.Lion(ps, 1e-4)
         syncs, where = steps(opt, ps, log, scaler=True)
         assert syncs == {'D2H .item()/bool()': 1}, where
+
+
+@pytest.mark.parametrize('make', [lambda ps, lr: cbopt.Adam(ps, lr), lambda ps, lr: cbopt.Adam(ps, lr, backend='foreach'),
+                                  lambda ps, lr: cbopt.SGD(ps, lr, mom=0.9, backend='foreach'),
+                                  lambda ps, lr: cbopt.SGD(ps, lr, mom=0.9, wd=0.01, decouple_wd=False)],
+                         ids=['adam', 'adam-foreach', 'sgd-foreach', 'sgd-l2'])
+def test_tensor_lr_on_the_device_is_never_read(make):
+    """A tensor lr on the params' device goes to torch's kernels and into foreach ops as a tensor (an `alpha` as one
+    `addcmul`), and the step's DCP check (an lr of 0) does not read it: no sync. (Reads answer 1 here: the
+    constructor checks the lr, once.)"""
+    with fake_cuda(value=1) as (log, kernels):
+        ps = cuda_params()
+        opt = make(ps, torch.tensor(1e-3, device='cuda'))
+        syncs, where = steps(opt, ps, log)
+        assert not syncs, where

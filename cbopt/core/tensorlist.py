@@ -167,6 +167,10 @@ class TensorList(list):
         if number and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)
                                                   and list.__getitem__(self, 0).is_cpu):  # (a bucket: one device)
             res = [getattr(t, name + '_' * inplace)(other, **kw) for t in self]
+        elif scaled and isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.is_cpu \
+                and type(other) is list:  # an alpha on a GPU (a tensor lr): `self + other * alpha` as one addcmul,
+            a = [alpha.reshape(()) if name == 'add' else -alpha.reshape(())] * len(self)  # not read on the host
+            res = _fe('addcmul' + '_' * inplace)(list(self), other, a)
         else: res = fn(list(self), other, **kw)
         return self if inplace else TensorList(res)
 
