@@ -22,7 +22,7 @@ from ..core.dtensor import layout_key
 from ..core.tensorlist import TensorList
 from ..core.runtime import param_states, runtime
 
-__all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'is_sparse', 'SPARSE', 'stand_in', 'bucket_state', 'write_state',
+__all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'is_sparse', 'SPARSE', 'WithSparse', 'stand_in', 'bucket_state', 'write_state',
            'cache_chunks', 'model_buckets', 'as_real']
 
 
@@ -82,6 +82,10 @@ def _bucket_key(gi: int, p, st: dict, by_rank: bool) -> tuple:
 SPARSE = 'sparse'  # the last entry of the key of a bucket of params with sparse grads (which the loop runner steps)
 
 
+class WithSparse(list):
+    "A step's buckets when some hold params with sparse grads (`BucketPlan`): a list, of this type so it says so."
+
+
 def is_sparse(b: Bucket) -> bool:
     "Whether `b` holds params with sparse grads (`on_odd_grad` let them pass): the loop runner steps them, as torch's."
     return b.params[0].grad.is_sparse
@@ -137,6 +141,7 @@ class BucketPlan:
                        for g in opt.param_groups]
         plain = all(len(k) == 6 and k[3] is None for k in self.keys)  # (no DTensors: placements are not checked;
         self.sparse = any(k[-1] == SPARSE for k in self.keys)  # no sparse grads: their metadata is not strides')
+        if self.sparse: self.buckets = WithSparse(self.buckets)  # (what a step tells at no cost: `is_sparse`)
         ts = self._tensors(opt) if plain else None
         self.guard = None if ts is None else metadata_guard(ts)
 

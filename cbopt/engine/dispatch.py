@@ -122,7 +122,7 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
         return
     run = RUNNERS[kind]
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
-    if runtime(opt).bucket_plan.sparse: run = _sparse_aware(run)
+    if type(buckets) is bucketing.WithSparse: run = _sparse_aware(run)
     if kind == 'fused': _check_fused_devices(buckets)
     for whole in buckets:
         hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
@@ -144,7 +144,7 @@ def _run_group_backends(opt, snapshots: Mapping, kinds: Mapping, check: bool, sc
     per-group `foreach`/`fused`): each bucket (of one group) with its group's, the others with the optimizer's."""
     kind = opt.backend_options.kind
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
-    sparse = runtime(opt).bucket_plan.sparse
+    sparse = type(buckets) is bucketing.WithSparse
     for whole in buckets:
         own = 'loop' if sparse and bucketing.is_sparse(whole) else kinds.get(id(whole.group), kind)
         if own == 'fused': _check_fused_devices([whole])
@@ -179,7 +179,7 @@ def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss
     if opt.group_backends() is not None: return False  # (groups with runners of their own: the step reads found_inf)
     if not any(param_chain(g['cbs']) for g in opt.param_groups): return False
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads)
-    if runtime(opt).bucket_plan.sparse: return False  # (sparse grads step in the loop runner)
+    if type(buckets) is bucketing.WithSparse: return False  # (sparse grads step in the loop runner)
     if opt.backend_options.kind == 'fused': _check_fused_devices(buckets)
     runs = []
     for b in buckets:
