@@ -29,6 +29,8 @@ DIFFERENCES = {
                                "cbopt's own classes refuse it (ValueError naming the param)",
     ('*', 'capturable'): "accepted, changes nothing (CPU); torch refuses a tensor lr with capturable on CPU, cbopt does not",
     ('*', 'complex params'): "torch's fused=True refuses them, cbopt's fused steps them (on their real views)",
+    ('SGD', 'sparse grads with momentum'): "torch keeps a sparse momentum buffer; cbopt refuses them before anything "
+                                           "steps, naming the param and the callback (plain SGD takes them, as torch)",
 }
 # torch's error inputs that meet a difference above, by their message: what cbopt does instead
 ERROR_DIFFERENCES = {}
