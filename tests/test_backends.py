@@ -6,6 +6,7 @@ foreach is checked bit for bit over 100 steps (with the default and with tiny ca
 CPU, so the compiled chain is checked for the cases that name a compiler in `Case.compiles`: with torch.compile's
 `aot_eager` backend (the same dynamo graph, without inductor's codegen) over 30 steps, or through inductor over 12
 steps with changing lrs; `CBOPT_SLOW=1` runs every case both ways."""
+import copy
 import dataclasses
 import functools
 import os
@@ -518,6 +519,27 @@ def test_a_callback_replaced_in_place_runs_at_the_next_step(backend, chain, wher
     tol = EXACT if backend in ('loop', 'foreach') else dict(rtol=1e-5, atol=1e-7)
     assert_rel_close(ours, ref, **tol, msg=f"{backend} {chain} {where}:")
 
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach', 'fused', 'auto'])
+def test_a_param_group_replaced_by_a_copy_runs_at_the_next_step(backend):
+    """`opt.param_groups[1] = copy(group)` with another lr (the same params and chain), after steps that made every
+    backend's bucket plan and graphs: the next steps use the new dict's lr, as a twin whose group was changed in
+    place does (the plan is made again for a group that is another object, even with an equal chain)."""
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = (cbopt.Adam(two_groups(m), lr=1e-2, wd=0.1, backend=aot(be) if be == 'fused' else be)
+                    for m, be in ((ours, backend), (ref, 'loop')))
+    warm = 2 + 2 * cbopt.Backend().auto_trials
+    train(opt, ours, warm)
+    train(ref_opt, ref, warm)
+    replaced = copy.copy(opt.param_groups[1])
+    replaced['lr'] = 0.1
+    opt.param_groups[1] = replaced
+    ref_opt.param_groups[1]['lr'] = 0.1
+    train(opt, ours, 3, start=warm)
+    train(ref_opt, ref, 3, start=warm)
+    tol = EXACT if backend in ('loop', 'foreach') else dict(rtol=1e-5, atol=1e-7)
+    assert_rel_close(ours, ref, **tol, msg=f"{backend}:")
 
 TORCH_SWITCHES = {'loop': dict(foreach=False), 'foreach': dict(foreach=True), 'fused': dict(fused=True), 'auto': {}}
 
