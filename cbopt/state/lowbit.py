@@ -269,7 +269,3 @@ def dequantized_state(st: Mapping, p: torch.Tensor, group: Mapping) -> dict:
     unpack(out, p, param_plan(group, p))
     return out
 
-
-def plans(group: Mapping, params: Iterable[torch.Tensor]) -> list[dict]:
-    "`param_plan` of each param."
-    return [param_plan(group, p) for p in params]
