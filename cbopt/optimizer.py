@@ -308,6 +308,7 @@ class Optimizer(torch.optim.Optimizer):
             for p in g['params']:
                 if not split_flags(param_states(self).get(p, {}))[0]:
                     param_states(self)[p].update(initial_state(self, p, g))
+                    lowbit_pack(param_states(self)[p], p, lowbit_plan(g, p), stochastic=False)  # (low-bit: as stored)
         engine.init_model_state(self)
 
     def set_state_precision(self, state_precision: str, min_quantize_size: int = MIN_QUANTIZE_SIZE) -> None:

@@ -197,6 +197,9 @@ def test_memory_and_state_bytes():
     w = m[0].weight.numel()
     small = sum(p.numel() for p in m.parameters()) - w
     assert cbopt.state_bytes(opt) == 2 * w + 2 * 4 * quant.n_blocks(w, 256) + 8 * small
+    fresh = cbopt.Optimizer(_model().parameters(), adam_chain(), lr=1e-2, state_precision='8bit')
+    fresh.init_state()  # (the state before a first step is stored as the steps store it)
+    assert cbopt.state_bytes(fresh) == 2 * w + 2 * 4 * quant.n_blocks(w, 256) + 8 * small
     fp_model = _model()
     fp = cbopt.Optimizer(fp_model.parameters(), adam_chain(), lr=1e-2)
     assert cbopt.state_bytes(fp) == 0
