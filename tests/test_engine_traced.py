@@ -7,6 +7,7 @@ lr changes (a new Python float lr may: torch's recompiles too). Where the step c
 backend, and with `aot_eager` (functionalized, as inductor gets them, without its code generation: minutes on a busy
 CPU) where in-place writes to params and state are checked against eager mode."""
 import copy
+import operator
 import warnings
 
 import pytest
@@ -298,3 +299,51 @@ def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> 
         else: whole()
         ref.step()
         assert_tensors_close(ps, qs, msg=f'step {i}')
+
+
+def _graph_ops(make, layers: int) -> int:
+    "The ops (beside indexing) of the graph dynamo traces for `make`'s step on an MLP of `layers` Linear layers."
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    opt = make(model.parameters())
+    for p in model.parameters(): p.grad = torch.ones_like(p)
+    ops = []
+    def count(gm, example_inputs):
+        ops.append(sum(n.op == 'call_function' and n.target is not operator.getitem for n in gm.graph.nodes))
+        return gm.forward
+    torch.compile(lambda: opt.step(), backend=count, fullgraph=True)()
+    assert len(ops) == 1
+    return ops[0]
+
+
+@pytest.mark.parametrize('name', ['Adam', 'Lion', 'optim.RMSprop'])
+def test_the_graph_holds_one_chain_per_bucket_whatever_the_params(name):
+    """The traced step runs each bucket's chain once, as foreach ops over its params (as torch's compiled optimizers):
+    the graph of a 12-layer MLP's step (24 params) has the ops of a 2-layer one's, but for at most one per added param
+    (dynamo's own: a `full_like` per param where a 0-d count meets a foreach op, as in torch's compiled RMSprop's
+    graph), where a chain traced per param has 6x."""
+    make, twin = OPTIMIZERS[name]
+    if twin is not None: make = (lambda cls, kw: lambda ps, lr: cls(ps, lr=lr, **kw))(make, twin[1])
+    small, large = (_graph_ops(lambda ps: make(ps, torch.tensor(1e-2)), n) for n in (2, 12))
+    assert large - small <= 20, (small, large)
+
+
+def shaped_sgd(p, lr, **kwargs):
+    "SGD written with the param's shape, which a whole bucket has none of: it cannot run bucket-wise."
+    p.data.sub_(p.grad.reshape(p.shape) * lr)
+shaped_sgd.defaults, shaped_sgd.state = {}, {}
+
+
+def test_a_chain_that_cannot_run_bucket_wise_is_traced_per_param_with_a_warning():
+    """A callback that cannot run on a whole bucket (it reads `p.shape`) is traced once per param, with one warning
+    naming it; still one graph, no break, and the eager loop's numbers."""
+    def make(ps, lr): return cbopt.Optimizer(ps, [cbopt.weight_decay, shaped_sgd], lr=lr, wd=0.01)
+    with pytest.warns(UserWarning, match="callback 'shaped_sgd' cannot run on a whole bucket"):
+        model, _ = run(make, torch.tensor(1e-2), compiler='eager')
+    assert graphs() == 1
+    ref, _ = run(lambda ps, lr: cbopt.Optimizer(ps, [cbopt.weight_decay, shaped_sgd], lr=lr, wd=0.01, backend='loop'),
+                 torch.tensor(1e-2), compiled=False)
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()))
+    with pytest.warns(UserWarning, match="'shaped_sgd'"):
+        small, large = [_graph_ops(lambda ps: make(ps, torch.tensor(1e-2)), n) for n in (2, 12)]
+    assert large > 5 * small, (small, large)  # (6x the params)

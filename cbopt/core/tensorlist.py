@@ -51,10 +51,22 @@ def _buckets(args: tuple, kwargs: dict) -> list:
     return [a for a in flat if isinstance(a, TensorList)]
 
 
+def _plain(a: Any) -> Any:
+    """Argument `a` with its TensorLists as plain lists, which `_pick` indexes (dynamo traces `list.__getitem__` of a
+    plain list, not of a list subclass: an outer compiled step runs callbacks on TensorLists)."""
+    if isinstance(a, TensorList): return _Each(a)
+    if type(a) in (list, tuple) and any(isinstance(o, TensorList) for o in a): return type(a)(_plain(o) for o in a)
+    return a
+
+
+class _Each(list):
+    "A TensorList's tensors as `_pick` hands them out, one per param."
+
+
 def _pick(a: Any, i: int) -> Any:
-    "Argument `a` as param `i` sees it."
-    if isinstance(a, TensorList): return list.__getitem__(a, i)
-    if type(a) in (list, tuple) and any(isinstance(o, TensorList) for o in a): return type(a)(_pick(o, i) for o in a)
+    "Argument `a` (through `_plain`) as param `i` sees it."
+    if type(a) is _Each: return a[i]
+    if type(a) in (list, tuple) and any(type(o) is _Each for o in a): return type(a)(_pick(o, i) for o in a)
     return a
 
 
@@ -64,6 +76,7 @@ def _zip_call(fn, args: tuple, kwargs: dict):
     if not tls: raise BucketError(f"{getattr(fn, '__name__', fn)} got TensorLists nested deeper than one list")
     n = len(tls[0])
     _same_length(n, tls)
+    args, kwargs = [_plain(a) for a in args], {k: _plain(v) for k, v in kwargs.items()}
     res = [fn(*[_pick(a, i) for a in args], **{k: _pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
     return _wrap(res)
 
@@ -105,7 +118,7 @@ class TensorList(list):
     def device(self) -> torch.device: return self._common('device')
     def _common(self, name: str):
         "The params' one dtype or device (a bucket has one; an empty or mixed list has none)."
-        vals = {getattr(t, name) for t in list.__iter__(self)}
+        vals = {getattr(t, name) for t in list(self)}
         if len(vals) != 1: raise BucketAttributeError(f"a TensorList of {len(vals)} {name}s has no one {name}")
         return vals.pop()
 
@@ -124,7 +137,8 @@ class TensorList(list):
         a method (`shape`) has a value per param: BucketAttributeError. A name tensors do not have is an AttributeError
         as on a tensor (so are Python's `__dunder__` lookups: copy, pickle, numpy)."""
         if name.startswith('__'): raise AttributeError(f"'TensorList' object has no attribute {name!r}")
-        first = list.__getitem__(self, 0) if len(self) else None
+        first = list(self)[0] if len(self) else None  # (not list.__getitem__(self, 0): dynamo traces neither of
+        # list's unbound methods on a subclass, as a compiled step runs this)
         attr = inspect.getattr_static(torch.Tensor if first is None else first, name, _MISSING)  # no property runs
         if attr is _MISSING: raise AttributeError(f"'TensorList' object has no attribute {name!r}, nor has a tensor")
         if first is None or not callable(attr):
@@ -281,12 +295,13 @@ class TensorList(list):
     def __abs__(self): return self.abs()
     def __getitem__(self, i):
         "An int picks one param's tensor (as a list does); anything else indexes inside every tensor."
-        if isinstance(i, int): return list.__getitem__(self, i)
+        if isinstance(i, int): return super().__getitem__(i)
         return _zip_call(lambda t, i: t[i], (self, i), {})
     def __setitem__(self, i, v):
         "An int sets one param's tensor (as a list does); anything else writes inside every tensor (`tl[mask] = 0`)."
-        if isinstance(i, int): return list.__setitem__(self, i, v)
+        if isinstance(i, int): return super().__setitem__(i, v)
         _same_length(len(self), _buckets((i, v), {}))
+        i, v = _plain(i), _plain(v)
         for j, t in enumerate(list(self)): t[_pick(i, j)] = _pick(v, j)
 
     def _each_op(op):
@@ -314,6 +329,20 @@ class TensorList(list):
     del _T, _each_op, _each_op_
     def __pos__(self): return _zip_call(torch.Tensor.__pos__, (self,), {})
     def __invert__(self): return _zip_call(torch.Tensor.__invert__, (self,), {})
+
+
+def _per_tensor_method(name: str):
+    "A tensor method without a foreach kernel, as a method of its own: dynamo traces it (not `__getattr__`'s lookup)."
+    def method(self, *args, **kwargs):
+        return _itself(self, _zip_call(lambda t, *a, **k: getattr(t, name)(*a, **k), (self, *args), kwargs))
+    method.__name__ = name
+    return method
+
+
+PER_TENSOR_METHODS = ('mean', 'sum', 'square', 'square_', 'new_full', 'new_ones', 'new_zeros', 'masked_fill',
+                      'masked_fill_', 'max', 'min', 'amax', 'amin', 'float', 'to', 'view_as', 'reshape_as', 'mul_add')
+for _n in PER_TENSOR_METHODS:
+    if hasattr(torch.Tensor, _n): setattr(TensorList, _n, _per_tensor_method(_n))
 
 
 def _unary(name: str):

@@ -9,10 +9,15 @@ How, in torch's way:
   chain's Python counters (`step`) as 0-d float64 tensors in the state, as torch keeps its `step`, so that a new
   count is a new value of the same input, not a new constant. The eager step reads them back as Python numbers for
   its step (`counters_as_numbers`) and `state_dict` saves them as numbers: checkpoints do not change.
-- the traced step runs each group's chain once per param (`run_param`, the `loop` backend's path; every backend
-  setting steps so under compile, the kernels being the compiler's). A tensor given where an op takes a number (a
-  tensor lr as `alpha=`, a bias correction from a tensor count as `value=`) is traced by dynamo as a tensor op (an
-  fma), as eager mode computes it.
+- the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad
+  that share a device, dtype and state layout), on `TensorList` stand-ins, as the `foreach` backend does: the graph
+  holds one copy of the chain per bucket, of `torch._foreach_*` ops that inductor fuses horizontally (as torch's own
+  compiled optimizers trace), whatever the number of params; every backend setting steps so under compile, the
+  kernels being the compiler's. A chain with a callback that cannot run on a whole bucket (`foreach.probe`, run by
+  `prepare` on a copy; cbopt's own callbacks all can) is traced once per param instead (`run_param`, the `loop`
+  backend's path), with a one-time warning naming the callback. A tensor given where an op takes a number (a tensor
+  lr as `alpha=`, a bias correction from a tensor count as `value=`) is traced by dynamo as a tensor op (an fma), as
+  eager mode computes it.
 
 The step runs eagerly instead, one graph break (`run_step`'s eager path), where tracing cannot do what eager does:
 whole-model callbacks (clipping, accumulation, L-BFGS: their state is Python numbers in the param groups), a closure,
@@ -30,13 +35,14 @@ from typing import Any
 import torch
 
 from .._torch import constant_result
-from ..core.chain import chain_counters, is_declared, is_model_cb, param_chain, transient_keys
+from ..core.chain import (chain_counters, chain_scope, cb_name, is_cbopts, is_declared, is_model_cb, param_chain,
+                          run_chain, transient_keys)
 from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
-from .buckets import Bucket, as_real
+from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
 from .compiled import float64_0d_copies
-from .foreach import dry_copy, run_param
-from ..core.runtime import param_states
+from .foreach import dry_copy, probe, run_param
+from ..core.runtime import param_states, warn_once
 
 __all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
 
@@ -80,6 +86,13 @@ def _reads_values(cbs: list, p: torch.Tensor, state: Mapping, hyper: Mapping) ->
     return False
 
 
+def _not_bucketwise(cbs: list, b: Bucket, hyper: Mapping):
+    "The first callback of the chain that cannot run on a whole bucket (`foreach.probe`, with counters as tensors)."
+    counters = chain_counters(cbs)
+    st = {k: number_tensor(v, b.params[0]) if k in counters else v for k, v in b.states[0].items()}
+    return probe(cbs, Bucket(b.group, b.params[:1], [st]), hyper)
+
+
 @constant_result
 def prepare(opt) -> bool:
     """Run when dynamo traces a step, never in the graph (dynamo calls it eagerly and keeps its answer, as it does
@@ -88,9 +101,9 @@ def prepare(opt) -> bool:
     0-d float64 tensors (`number_tensor`), so the graph steps them as inputs. Nothing changes otherwise."""
     from ..core.flags import split_flags
     from ..core.initial import initial_state
-    todo = []
+    todo, per_param = [], []
     with torch.no_grad():
-        for g in opt.param_groups:
+        for gi, g in enumerate(opt.param_groups):
             ps = [p for p in g['params'] if p.grad is not None]
             if not ps: continue
             if any(is_dtensor(p) for p in ps): return False
@@ -98,7 +111,14 @@ def prepare(opt) -> bool:
             fresh = {p: initial_state(opt, p, g) for p in ps if is_declared(cbs) and not split_flags(param_states(opt)[p])[0]}
             p0 = ps[0]
             with as_real(Bucket(g, [p0], [{**param_states(opt)[p0], **fresh.get(p0, {})}])) as b:
-                if _reads_values(cbs, b.params[0], b.states[0], Hypers(g).snapshot()): return False
+                hyper = Hypers(g).snapshot()
+                if _reads_values(cbs, b.params[0], b.states[0], hyper): return False
+                if not (is_declared(cbs) and all(map(is_cbopts, cbs))) and (bad := _not_bucketwise(cbs, b, hyper)):
+                    per_param.append(gi)
+                    name = cb_name(bad)
+                    warn_once(opt, ('traced per param', name), f"callback {name!r} cannot run on a whole bucket of "
+                              "params: a compiled step traces its chain once per param (a larger graph, a longer "
+                              "compile)")
             todo.append((g, cbs, fresh))
         for g, cbs, fresh in todo:
             for p, st in fresh.items(): param_states(opt)[p].update(st)
@@ -108,6 +128,7 @@ def prepare(opt) -> bool:
                 for k in counters:
                     if st and isinstance(st.get(k), Number): st[k] = number_tensor(st[k], p)
     opt.__dict__['_counters_are_tensors'] = True
+    opt.__dict__['_traced_per_param'] = tuple(per_param)
     return True
 
 
@@ -124,10 +145,13 @@ def can_trace(opt) -> bool:
 
 
 def traced_step(opt) -> None:
-    """The step as dynamo traces it: each group's chain once per param with a grad, with the group's hypers (see the
-    module docstring); then `opt.step_stats`."""
+    """The step as dynamo traces it: each group's chain once per bucket of its params with a grad (on TensorLists:
+    `torch._foreach_*` ops, which inductor fuses horizontally, as torch's compiled optimizers), or once per param for
+    a chain `prepare` found cannot run bucket-wise, with the group's hypers (see the module docstring); then
+    `opt.step_stats`."""
     lrs = []
-    for g in groups(opt):
+    per_param = _per_param_groups(opt)
+    for gi, g in enumerate(groups(opt)):
         hyper = Hypers(g).snapshot()
         lrs.append(hyper.get('lr'))
         params = g['params']
@@ -136,11 +160,37 @@ def traced_step(opt) -> None:
         if not todo: continue
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
-        with as_real(Bucket(g, todo, [param_states(opt)[p] for p in todo])) as b:
-            for p, st in zip(b.params, b.states):
-                st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
-                run_param(cbs, p, st, hyper, transient)
+        states = [param_states(opt)[p] for p in todo]
+        for st in states: st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
+        if gi in per_param:
+            with as_real(Bucket(g, todo, states)) as b:
+                for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
+            continue
+        for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor'):
+            with torch.no_grad(), as_real(b) as b:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
+                p, state = stand_in(b), bucket_state(b)
+                before = dict(state)
+                run_chain(cbs, p, state, hyper)
+                write_state(b, before, state, transient)
     opt.step_stats = {'lr': lrs, 'skipped': False}
+
+
+@constant_result
+def _per_param_groups(opt) -> tuple:
+    """The groups `prepare` found a chain in that cannot run bucket-wise: read eagerly (a constant of the trace), as
+    dynamo keeps the optimizer's attributes as it first read them, before `prepare` ran."""
+    return opt.__dict__.get('_traced_per_param', ())
+
+
+def _traced_buckets(g, params: list, states: list, by_rank: bool) -> list[Bucket]:
+    """A group's params with a grad, in buckets one call of the chain serves (as `buckets.buckets`: device, dtype,
+    state keys and Python values; rank, for a chain reducing over whole params), worked out while dynamo traces."""
+    out: dict = {}
+    for p, st in zip(params, states):
+        b = out.setdefault(_bucket_key(0, p, st, by_rank), Bucket(g, [], []))
+        b.params.append(p)
+        b.states.append(st)
+    return list(out.values())
 
 
 @contextmanager
