@@ -19,6 +19,7 @@ from ._torch import in_dcp_init_step
 from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_reads, check_chain,
                          flat_model_keys, param_chain)
 from .engine import Backend, as_backend
+from .engine.own_step import OwnStep
 from .core.hypers import (ALIASES, NOT_HYPERS, TORCH_HYPER_NAMES, Hypers, ParamGroup, check_hyper, expand_hyper,
                           from_torch_names, is_known_hyper, is_model_entry, model_entries)
 from .core.params import check_params, distinct_names, is_group_dict, named_groups
@@ -359,13 +360,17 @@ class Optimizer(torch.optim.Optimizer):
         """Refuse groups whose params were replaced by another number of tensors (`group['params'] = [flat]`, as
         DeepSpeed-style flattening does): their names, the checkpoint's keys, would name other params. Run by `step`,
         `state_dict` and `load_state_dict`; a one-for-one swap (accelerate's, XLA's) keeps the names and passes."""
-        for i, g in enumerate(self.param_groups):
+        # (a plain read where it is one: dynamo, tracing a compiled step, handles torch.optim's `param_groups` as
+        # lists of plain dicts, which cbopt's are not: see engine.traced.groups)
+        groups = self.__dict__['param_groups'] if 'param_groups' in self.__dict__ else self.param_groups
+        for i, g in enumerate(groups):
             if 'param_names' not in g:
                 raise ValueError(f"param group {i}'s params were replaced by {len(g['params'])} other tensors "
                                  f"(group['params'] = ...): the names its params had would name other params in a "
                                  f"checkpoint. Swap params one for one, or build the optimizer over the new params "
                                  f"(e.g. cbopt.optim.AdamW([flat]) for a flattened buffer)")
 
+    @OwnStep  # (a code object per optimizer: what dynamo compiles of one never makes another's recompile)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Run the callbacks on every param with a grad, with `self.backend`; `closure` re-evaluates the model and returns
@@ -374,7 +379,7 @@ class Optimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
-        elif self._is_init_step():
+        elif not torch.compiler.is_compiling() and self._is_init_step():  # (DCP's init step is never compiled)
             self.init_state()
             return None
         self._run_step(self, closure, loss)

@@ -347,3 +347,32 @@ def test_a_chain_that_cannot_run_bucket_wise_is_traced_per_param_with_a_warning(
     with pytest.warns(UserWarning, match="'shaped_sgd'"):
         small, large = [_graph_ops(lambda ps: make(ps, torch.tensor(1e-2)), n) for n in (2, 12)]
     assert large > 5 * small, (small, large)  # (6x the params)
+
+
+CATALOGUE = ['sgd-mom', 'sgd-nesterov', 'adam', 'adam-l2', 'adam-amsgrad', 'rmsprop', 'rmsprop-mom', 'qhadam', 'lamb',
+             'stableadamw', 'nadam', 'adamax', 'lion-prebuilt']
+
+
+def test_optimizers_compiled_in_one_process_compile_as_alone():
+    """dynamo keeps its caches per code object for the whole process (8 entries each, then eager, or an error under
+    fullgraph): each optimizer's `opt.step` has a code object of its own (`cbopt.engine.own_step`), so 13 catalogue
+    optimizers compiled one after the other in one process (no `torch._dynamo.reset()`) each compile once, with
+    fullgraph, and never again over 3 steps; torch's hook wrapper, which every optimizer's step would be, hits the
+    limit at the ninth."""
+    from cases import CASES
+    cases = {str(c): c for c in CASES}
+    compiles = {}
+    for name in CATALOGUE:
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
+        opt = cases[name].build(ps, torch.tensor(1e-2), 'loop')
+        compiles[name] = 0
+        def count(gm, example_inputs, name=name):
+            compiles[name] += 1
+            return gm.forward
+        step = torch.compile(opt.step, backend=count, fullgraph=True)
+        for i in range(3):
+            for p in ps: p.grad = torch.full_like(p, i + 1.)
+            step()
+    assert compiles == {name: 1 for name in CATALOGUE}
+    assert opt.step.__code__ is not type(opt).step.hooked_fn.__code__  # (the last one's: its own code)

@@ -24,6 +24,7 @@ class Runtime:
         self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`engine.flat.flat_inputs`)
         self.bucket_plan = None       # the last step's buckets, checked at the next (`buckets.planned_buckets`)
         self.device_counts = False    # some step counts are tensors on the device (`engine.dispatch.kernel_step_on_device`)
+        self.own_step = None          # (descriptor, the function `opt.step` is bound to: `engine.own_step`)
 
 
 def param_states(opt) -> dict:
