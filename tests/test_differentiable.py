@@ -3,8 +3,9 @@ torch's `optim_db` (as tests/test_optim.py is): for every class torch supports i
 for that class, the step is recorded by autograd (float64 `torch.autograd.gradcheck` of the step as a function of
 the param, its grad and its state before it, as torch's own differentiable tests check theirs), the step's outputs
 and their vector-Jacobian products are torch's, gradients of an unrolled loss reach tensor hypers (lr,
-weight_decay, betas) as torch's do, and the numbers are those of the plain step. torch's refusals (fused, foreach)
-and its state_dict entry round-trip too."""
+weight_decay, betas: by finite differences for every class, and torch's where torch's step gives them), the numbers
+are those of the plain step, and complex params step as torch's. torch's refusals (fused, foreach) hold, and its
+state_dict entry round-trips."""
 import inspect
 
 import pytest
