@@ -161,6 +161,12 @@ def differentiable_step(opt: Optimizer, closure: Callable | None = None, loss: A
         raise NotImplementedError(f"a differentiable step of a chain with whole-model callbacks "
                                   f"({', '.join(cb_name(cb) for cb, _ in [*plan[0], *plan[1]])}) is not supported")
     check_grads(opt)
+    for g in opt.param_groups:
+        for name, p in zip(g['param_names'], g['params']):
+            if p.grad is not None and p.grad.is_sparse:  # (functionalize cannot run sparse ops: torch asserts inside)
+                raise RuntimeError(f"param {name!r} has a sparse gradient, which a differentiable step does not support "
+                                   "(torch.func.functionalize cannot trace sparse ops): densify it with grad.to_dense(), "
+                                   "or step with differentiable=False")
     states = param_states(opt)
     writes = []  # (param name, 'param' or state key, tensor written in place or state dict, new value)
     with torch.enable_grad():

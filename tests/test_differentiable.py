@@ -303,3 +303,15 @@ def test_complex_params_step_as_torchs(name, f64_default):
         if k != 'step': torch.testing.assert_close(st[k].to(v.dtype), v, rtol=1e-12, atol=1e-14)
         if v.is_complex(): assert st[k].is_complex()
     for a, b in zip(grads, ref_grads, strict=True): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_sparse_grad_is_refused_before_anything_changes():
+    """torch's differentiable Adagrad steps a sparse grad; cbopt's differentiable step (functionalized) cannot (a
+    difference from torch), and says so, naming the param, with nothing changed."""
+    p = torch.randn(4, 2, dtype=F64, requires_grad=True).clone()
+    opt = cbopt.optim.Adagrad([p], lr=0.1, differentiable=True)
+    p.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 2, dtype=F64), (4, 2))
+    before, state = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match="param '0' has a sparse gradient, which a differentiable step"): opt.step()
+    assert torch.equal(p.detach(), before) and sorted(opt.state[p]) == sorted(state)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
