@@ -31,7 +31,7 @@ def run_param(cbs, p, state: dict, hyper: Mapping, transient: frozenset) -> None
 
 def loop_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     "The reference: the chain once per param of `b`."
-    cbs, transient = b.cbs, transient_keys(b.cbs)
+    cbs, transient = b.cbs, b.kept('transient', lambda: transient_keys(b.cbs))  # (spec per callback: once per plan)
     with refusing_partial_numbers(cbs, b.params[0]):
         check_once(opt, b, hyper)
         for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
@@ -108,8 +108,9 @@ def _foreach_bucket(opt, b: Bucket, hyper: Mapping) -> bool:
                   "control flow on a tensor value); its buckets run param by param")
         loop_bucket(opt, b, hyper)
         return False
-    transient = transient_keys(cbs)
-    for chunk in cache_chunks(b, opt.backend_options.cpu_chunk_bytes):
+    transient = b.kept('transient', lambda: transient_keys(cbs))
+    size = opt.backend_options.cpu_chunk_bytes
+    for chunk in b.kept(('chunks', size), lambda: cache_chunks(b, size)):
         p, state = stand_in(chunk), bucket_state(chunk)
         before = dict(state)
         run_chain(cbs, p, state, hyper)
