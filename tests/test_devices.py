@@ -33,7 +33,7 @@ def _fused_too(c) -> bool:
 @pytest.mark.parametrize('backend', BACKENDS)
 @pytest.mark.parametrize('c', [c for c in CASES if not c.needs_closure], ids=str)
 def test_every_backend_follows_the_cpu_loop(c, backend, device):
-    "Every case in every backend on the device: within 1e-5 of the CPU loop backend over 20 steps (fp32)."
+    "Every case in every backend on the device: within 1e-5 of the CPU loop backend over 20 steps (fp32; Muon 1e-2)."
     cpu_only_elsewhere(device, 'tests/test_backends.py')
     if backend == 'fused' and not _fused_too(c): pytest.skip("fused: the kernel cases and the compiled selection only")
     ref = make_model()
@@ -43,7 +43,10 @@ def test_every_backend_follows_the_cpu_loop(c, backend, device):
     for i in range(STEPS):
         train(ref_opt, ref, 1, start=i)
         train(opt, m, 1, start=i)
-    assert_rel_close(m.cpu(), ref, rtol=1e-5, atol=1e-7, msg=f"{c} {backend} on {device}:")
+    # Muon's Newton-Schulz iteration runs its matmuls in bfloat16, which a GPU rounds otherwise than the CPU (an H200
+    # run measured 3e-3 of the largest weight): a bf16 tolerance for it, 1e-5 for every other case
+    tol = dict(rtol=1e-2, atol=1e-5) if c.id.startswith('muon') else dict(rtol=1e-5, atol=1e-7)
+    assert_rel_close(m.cpu(), ref, **tol, msg=f"{c} {backend} on {device}:")
 
 
 @pytest.mark.parametrize('cid', ['adam', 'sgd-mom', 'lion-prebuilt', 'adam-kahan'])

@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
 BENCH_FILES = {'bench': 'bench.json', 'memory': 'bench_memory.json', 'whole_model': 'bench_whole_model.json',
-               'groups': 'bench_groups.json', 'catalogue': 'bench_catalogue.json', 'compile': 'bench_compile.json'}
+               'groups': 'bench_groups.json', 'catalogue': 'bench_catalogue.json', 'compile': 'bench_compile.json',
+               'cuda': 'bench_cuda.json'}
 MARK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", flags=re.S)
 
 # The catalogue: each prebuilt optimizer, what it is checked against, and how it is built. Defaults and state names are
@@ -110,11 +111,24 @@ def readme_bench_table() -> str:
     return '\n'.join(rows)
 
 
+def readme_gpu_line() -> str:
+    "The README's GPU line: cbopt's Adam against torch's fused AdamW on the GPT-2 set, fp32 and bf16, from docs/bench_cuda.json."
+    from .bench.harness import paired
+    if not (DOCS / BENCH_FILES['cuda']).is_file(): return "GPU numbers pending (`tools/gpu_check.sh`)."
+    r = _bench('cuda')
+    ratios = {dt: {n: paired(r['cases'][case]['results'], n, 'torch fused') for n in ('cbopt auto', 'cbopt fused')}
+              for dt, case in (('fp32', 'gpt2'), ('bf16', 'gpt2_bf16'))}
+    return (f"On an {r['machine']['gpu']} (torch {r['machine']['torch']}), the same step over torch's fused AdamW's: "
+            + '; '.join(f"{dt}, auto {v['cbopt auto']:.2f}x and fused {v['cbopt fused']:.2f}x" for dt, v in ratios.items())
+            + '.')
+
 def machine_line(results: dict) -> str:
     "The device a run was made on, without its date (the JSON keeps it)."
     m = results['machine']
-    return (f"{m['cpu']}, {m['cores']} cores, torch threads: {m['torch_threads']}; torch {m['torch']}, fastai "
-            f"{m['fastai']}, Python {m['python']}; fp32, {results['rounds']} interleaved rounds after "
+    on_gpu = results.get('device') == 'cuda'
+    return (f"{m['gpu'] + ' (CUDA events), host ' if on_gpu else ''}{m['cpu']}, {m['cores']} cores, torch threads: "
+            f"{m['torch_threads']}; torch {m['torch']}, fastai {m['fastai']}, Python {m['python']}; "
+            f"{'fp32 and bf16' if on_gpu else 'fp32'}, {results['rounds']} interleaved rounds after "
             f"{results['warmup']} warm-up steps.")
 
 
@@ -183,12 +197,14 @@ GENERATED = {
     'api-fastai-callbacks': lazy_classes_page,
     'catalogue': catalogue_table,
     'readme-bench': readme_bench_table,
+    'readme-gpu': readme_gpu_line,
     'bench': lambda: bench_tables('bench'),
     'bench-memory': lambda: bench_tables('memory'),
     'bench-whole-model': lambda: bench_tables('whole_model'),
     'bench-groups': lambda: bench_tables('groups'),
     'bench-catalogue': lambda: bench_tables('catalogue'),
     'bench-compile': lambda: bench_tables('compile'),
+    'bench-cuda': lambda: bench_tables('cuda'),
 }
 
 
