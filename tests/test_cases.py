@@ -32,6 +32,8 @@ NOT_CASES = {
     'SkipNonFinite': "wraps an optimizer (any case's): tests/test_wrappers.py",
     'Accumulate': "wraps an optimizer (any case's): tests/test_wrappers.py",
     'FunctionalOptimizer': "a case's chain as pure functions: tests/test_functional.py runs every case through it",
+    'SparseAdam': "steps sparse grads only, and the registry's tests give dense ones: tests/test_optim.py follows torch's "
+                  "SparseAdam on sparse embedding grads",
 }
 
 
