@@ -259,6 +259,21 @@ def equal_values(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def stepped_lbfgs(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
+    "An L-BFGS of 3 steps on a small regression: its history (`d`, `old_dirs`, `old_stps`, `prev_flat_grad`) filled."
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+    xs = torch.randn(32, 4, dtype=dtype)
+    opt = cbopt.LBFGS(net.named_parameters(), history_size=5)
+    def closure():
+        opt.zero_grad()
+        loss = (net(xs) - xs.sum(1, keepdim=True).sin()).pow(2).mean()
+        loss.backward()
+        return loss
+    for _ in range(3): opt.step(closure)
+    return net, opt.state_dict()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """A registry case that a test cannot run (`cases.Case.gap`: a known gap, or a case that needs a closure) is
     reported skipped with its reason: never filtered out unseen."""

@@ -33,18 +33,25 @@ CONFIGS = {
 KERNEL = {'SGD': '_fused_sgd_', 'Adagrad': '_fused_adagrad_'}
 
 
+def fused_twins(cls: str, hypers: dict, **ours) -> tuple:
+    """torch's fused `cls` after one step (its state exists), and cbopt.optim's twin (built with `ours`) on a copy of the
+    model with that state loaded: `(ref, ref_opt, model, opt)`."""
+    ref = make_model()
+    ref_opt = getattr(optim, cls)(ref.parameters(), **hypers, fused=True)
+    train(ref_opt, ref, 1)
+    model = copy.deepcopy(ref)
+    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, **ours)
+    opt.load_state_dict(ref_opt.state_dict())
+    return ref, ref_opt, model, opt
+
+
 @pytest.mark.parametrize('backend', ['fused', 'auto'])
 @pytest.mark.parametrize('name', CONFIGS)
 def test_bit_exact_with_torchs_fused_optimizer(name, backend, monkeypatch):
     """After torch's fused optimizer's first step, its state_dict loads into cbopt's twin (on a copy of the model), and
     30 more steps of each give the same params and state bit for bit: the same kernel on the same numbers."""
     cls, hypers = CONFIGS[name]
-    ref = make_model()
-    ref_opt = getattr(optim, cls)(ref.parameters(), **hypers, fused=True)
-    train(ref_opt, ref, 1)
-    model = copy.deepcopy(ref)
-    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, **({'fused': True} if backend == 'fused' else {}))
-    opt.load_state_dict(ref_opt.state_dict())
+    ref, ref_opt, model, opt = fused_twins(cls, hypers, **({'fused': True} if backend == 'fused' else {}))
     calls = count_calls(monkeypatch, KERNEL[cls])
     for i in range(1, STEPS + 1):
         train(ref_opt, ref, 1, start=i), train(opt, model, 1, start=i)
@@ -63,12 +70,7 @@ def test_grad_scaler_as_torchs_fused_optimizer(name, monkeypatch):
     divides the grads in its pass, leaving them unscaled as torch's fused optimizer does; an inf step changes nothing;
     params bit for bit torch's fused optimizer's under the same scaler."""
     cls, hypers = CONFIGS[name]
-    ref = make_model()
-    ref_opt = getattr(optim, cls)(ref.parameters(), **hypers, fused=True)
-    train(ref_opt, ref, 1)  # (the state exists: the kernel steps ours from the first scaled step)
-    model = copy.deepcopy(ref)
-    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, fused=True)
-    opt.load_state_dict(ref_opt.state_dict())
+    ref, ref_opt, model, opt = fused_twins(cls, hypers, fused=True)  # (from the first scaled step: state exists)
     assert opt._step_supports_amp_scaling and ref_opt._step_supports_amp_scaling
     calls = count_calls(monkeypatch, KERNEL[cls])
     scalers = [torch.amp.GradScaler('cpu', init_scale=2. ** 14, growth_interval=3) for _ in range(2)]
@@ -336,12 +338,7 @@ def test_grad_scaler_found_inf_on_the_device_as_torchs_fused_optimizer(name, mon
     a checkpoint taken in between holds numbers."""
     monkeypatch.setattr(dispatch, 'HOST_READ_DEVICES', ())
     cls, hypers = {'adamw': ('AdamW', dict(lr=0.05, betas=(0.8, 0.95), weight_decay=0.1)), **CONFIGS}[name]
-    ref = make_model()
-    ref_opt = getattr(optim, cls)(ref.parameters(), **hypers, fused=True)
-    train(ref_opt, ref, 1)  # (the state exists: the kernel steps ours from the first scaled step)
-    model = copy.deepcopy(ref)
-    opt = getattr(cbopt.optim, cls)(model.named_parameters(), **hypers, fused=True)
-    opt.load_state_dict(ref_opt.state_dict())
+    ref, ref_opt, model, opt = fused_twins(cls, hypers, fused=True)  # (from the first scaled step: state exists)
     scalers = [torch.amp.GradScaler('cpu', init_scale=2. ** 14, growth_interval=3) for _ in range(2)]
     for i in range(1, 9):
         for m, o, sc in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):

@@ -7,6 +7,7 @@ import torch
 
 import cbopt
 from cases import CASES
+from conftest import stepped_lbfgs
 from fake_cuda import cuda_params, fake_cuda, off_device, on_host, set_grads
 
 STEPS = 3
@@ -48,17 +49,7 @@ def test_default_step_has_no_sync_and_state_stays_on_device(case):
 
 def test_lbfgs_history_loaded_from_cpu_steps_on_cuda():
     "L-BFGS's history from a `map_location='cpu'` checkpoint lands on the CUDA params' device (its next step's math)."
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    xs = torch.randn(32, 4)
-    opt = cbopt.LBFGS(net.named_parameters(), history_size=5)
-    def closure():
-        opt.zero_grad()
-        loss = (net(xs) - xs.sum(1, keepdim=True).sin()).pow(2).mean()
-        loss.backward()
-        return loss
-    for _ in range(3): opt.step(closure)
-    sd = opt.state_dict()
+    net, sd = stepped_lbfgs()
     with fake_cuda():
         ps = [(n, torch.nn.Parameter(torch.empty(p.shape, device='cuda'))) for n, p in net.named_parameters()]
         gpu = cbopt.LBFGS(ps, history_size=5)

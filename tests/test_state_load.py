@@ -17,7 +17,7 @@ from cbopt.core.flags import split_flags
 from cbopt.core.names import canonical_names
 from cbopt.state import prepare_load, read_checkpoint
 from conftest import (make_model, random_grads, step_random, trained_adam, state_snapshot, assert_same_snapshot,
-                      small_model, seeded_grads, small_adam, assert_load_rejected, MODEL_NAMES)
+                      small_model, seeded_grads, small_adam, assert_load_rejected, stepped_lbfgs, MODEL_NAMES)
 
 
 # -- strict and atomic -------------------------------------------------------------------------------------------
@@ -46,21 +46,6 @@ def _corrupt(kind, sd):
 
 BAD = ['unknown-in-state', 'unknown-in-groups', 'missing', 'missing-state', 'shape', 'shape-same-numel', 'dtype', 'not-a-tensor',
        'other-algorithm', 'empty-state']
-
-
-def _lbfgs_state_dict(dtype=torch.float32):
-    "An L-BFGS of 3 steps on a small regression: its history (`d`, `old_dirs`, `old_stps`, `prev_flat_grad`) filled."
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
-    xs = torch.randn(32, 4, dtype=dtype)
-    opt = cbopt.LBFGS(net.named_parameters(), history_size=5)
-    def closure():
-        opt.zero_grad()
-        loss = (net(xs) - xs.sum(1, keepdim=True).sin()).pow(2).mean()
-        loss.backward()
-        return loss
-    for _ in range(3): opt.step(closure)
-    return net, opt.state_dict()
 
 
 def _tensors(v):
@@ -168,7 +153,7 @@ def test_load_moves_whole_model_state_to_param_device(where):
     """L-BFGS's history (whole-model state, None or [] before a first step: no template to load it like) follows the
     params as torch's LBFGS's does (`_process_value_according_to_param_policy`: device, and floating dtype): a
     checkpoint read with `map_location='cpu'` must step on CUDA params (`meta` stands for the other device here)."""
-    net, sd = _lbfgs_state_dict()
+    net, sd = stepped_lbfgs()
     dst_net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     dst_net = dst_net.to('meta') if where == 'meta' else dst_net.double()
     dst = cbopt.LBFGS(dst_net.named_parameters(), history_size=5)
