@@ -40,6 +40,15 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters['stats']['unique_graphs']
 
 
+def assert_fused_follows_loop(runs: dict) -> None:
+    "`runs['fused']` and `runs['loop']` (params, optimizer) agree to 1e-6 of each tensor's largest value: params, `grad_avg`."
+    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
+    for a, b in zip(fused, loop):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+        torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
+                                   atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
+
+
 @pytest.mark.parametrize('kind', ['lion', 'rebinding'])
 def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None:
     """12 steps of the fused backend (runs of 4) against the loop, fresh grads every step; after step 4 a big and a
@@ -79,11 +88,7 @@ def test_flat_runs_match_the_loop_as_params_and_state_are_replaced(kind) -> None
                 assert len(ptrs) == len(ps)
                 assert [tuple(opt.state[p]['grad_avg'].shape) for p in ps] == SHAPES
         runs[backend if backend == 'loop' else 'fused'] = ps, opt
-    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
-    for a, b in zip(fused, loop):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
-        torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
-                                   atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
+    assert_fused_follows_loop(runs)
 
 
 def test_a_step_holds_no_grad_and_a_replaced_param_is_let_go() -> None:
@@ -168,11 +173,7 @@ def test_flat_inputs_are_kept_while_the_plan_and_the_memory_hold() -> None:
             if backend != 'loop': kept.append(runtime(opt).bucket_plan.buckets[0].known['flat_inputs'] if step else None)
         runs[backend if backend == 'loop' else 'fused'] = ps, opt
     assert [kept[i] is kept[i - 1] for i in range(2, 10)] == [True, True, False, True, True, False, True, True]
-    (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
-    for a, b in zip(fused, loop):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
-        torch.testing.assert_close(f_opt.state[a]['grad_avg'], l_opt.state[b]['grad_avg'], rtol=1e-6,
-                                   atol=1e-6 * l_opt.state[b]['grad_avg'].abs().max().item())
+    assert_fused_follows_loop(runs)
 
 
 def test_a_decay_from_zero_is_one_graph_for_every_wd() -> None:
