@@ -238,11 +238,7 @@ def assert_load_rejected(opt, sd, exc, message: str) -> None:
     with pytest.raises(exc) as e: opt.load_state_dict(sd)
     got = e.value.args[0] if exc is KeyError else str(e.value)
     assert got == message
-    after = state_snapshot(opt)
-    assert after[1] == before[1] and after[0].keys() == before[0].keys()
-    for n in before[0]:
-        for k, v in before[0][n].items():
-            assert torch.equal(v, after[0][n][k]) if torch.is_tensor(v) else v == after[0][n][k]
+    assert_same_snapshot(before, state_snapshot(opt))  # (nothing changed: state entries, values, dtypes, hypers)
 
 
 MODEL_NAMES = ['0.weight', '0.bias', '2.weight', '2.bias']  # make_model's
