@@ -82,6 +82,14 @@ def test_maps_and_codes_are_torchaos():
             theirs = q(scaled, quant.qmap(fmt, signed))
             if fmt == '4bit': theirs = (theirs[::2] << 4) | theirs[1::2]
             assert torch.equal(codes, theirs) and torch.equal(absmax, scale)
+    for fmt, q in (('8bit', quantize_8bit_with_qmap), ('4bit', quantize_4bit_with_qmap)):
+        for signed in (True, False):  # at the edges of rounding: each map value, each threshold, and their neighbours
+            m = quant.qmap(fmt, signed)
+            t = quant.thresholds(m)
+            edges = torch.cat([m, t, *(torch.nextafter(v, v + d) for v in (m, t) for d in (1, -1)),
+                               torch.linspace(-1, 1, 10_001)]).clamp(-1 if signed else 0, 1)
+            assert torch.equal(quant.nearest_codes(edges, fmt, signed), q(edges, m))
+            assert torch.equal(quant.nearest_codes(edges.clone(), fmt, signed, in_place=True), q(edges, m))
     from torchao.optim.subclass_fp8 import quantize_fp8
     codes, scale = quant.quantize(x, 'fp8')
     c2, s2 = quantize_fp8(x, 256)

@@ -4,7 +4,9 @@ knowledge of optimizers (`cbopt.state.lowbit` decides what is stored how).
 The recipes are the published ones that bitsandbytes and torchao share (Dettmers et al., "8-bit optimizers via
 block-wise quantization", 2110.02861), so that cbopt's numbers can be checked against torchao's:
 - `'8bit'`: the dynamic (tree) quantization map of 256 values, signed (for moving averages of any sign) or unsigned
-  (non-negative ones); blocks of 256 elements, each scaled by its fp32 absmax into [-1, 1]; round to nearest code.
+  (non-negative ones); blocks of 256 elements, each scaled by its fp32 absmax into [-1, 1]; round to nearest code
+  (torchao's binary search over the map, as two lookups in a table of the map's exact rounding thresholds:
+  `code_table`, the same codes bit for bit, about 4x faster eagerly).
 - `'4bit'`: torchao's 4-bit recipe: blocks of 128; a signed dynamic map of 16 values (3 exponent bits) and, unsigned,
   the linear map 1/16 .. 16/16 (no zero, as torchao's); two codes per byte, the first element in the high nibble.
 - `'fp8'`: torchao's AdamWFp8 recipe: float8_e4m3fn codes, one fp32 scale (absmax / 448) per block of 256.
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ['QuantFormat', 'FORMATS', 'dynamic_map', 'qmap', 'n_blocks', 'quantize', 'dequantize', 'bf16_stochastic']
+__all__ = ['QuantFormat', 'FORMATS', 'dynamic_map', 'qmap', 'CodeTable', 'thresholds', 'order_key', 'code_table', 'nearest_codes', 'n_blocks', 'quantize', 'dequantize', 'bf16_stochastic']
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,76 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(-1, block)
 
 
-def _nearest(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The index of the value of the sorted map `m` nearest to each element of `x` (a tie goes up; an element below
-    the map's first value gets 0, above its last the last), as int64."""
-    n = m.numel()
-    down = (torch.bucketize(x, m, right=True) - 1).clamp_(0, n - 1)
-    up = (down + 1).clamp_(max=n - 1)
-    lo, hi = m[down], m[up]
-    return torch.where(x - lo >= (hi - lo) * 0.5, up, down)
+class CodeTable(NamedTuple):
+    """A sorted map's round-to-nearest as a table lookup (`code_table`): an element's code is `base[i] + (key >=
+    next_key[i])`, where `key` is its fp32 bits as an ordered int32 (`order_key`) and `i = (key - lo) >> shift`, a
+    bucket of keys that holds at most one of the map's rounding thresholds. Two gathers from small tables, where a
+    binary search over the map (torchao's, or `torch.bucketize`) takes 8 dependent steps per element."""
+    shift: int
+    lo: int
+    base: torch.Tensor      # uint8: how many thresholds lie at or below the bucket's first key
+    next_key: torch.Tensor  # int32: the key of the next threshold above the bucket's first key (int32 max if none)
+
+
+def thresholds(m: torch.Tensor) -> torch.Tensor:
+    """For each two neighbours `lo < hi` of the sorted fp32 map `m`, the smallest fp32 `x` that torchao's (and
+    bitsandbytes') round to nearest sends up to `hi`: `x - lo >= (hi - lo) * 0.5`, computed in fp32. As `x - lo` only
+    grows with `x`, an element's code is the number of thresholds at or below it, the same bits as their search gives."""
+    lo, hi = m[:-1], m[1:]
+    half = (hi - lo) * 0.5
+    goes_up = lambda x: (x - lo) >= half
+    t = lo + half
+    inf = torch.full_like(t, math.inf)
+    for _ in range(64):  # a few ulps from `lo + half` at most: step to the first float that goes up
+        down = torch.nextafter(t, -inf)
+        ok = goes_up(t)
+        lower, higher = ok & goes_up(down), ~ok
+        if not (lower.any() or higher.any()): return t
+        t = torch.where(lower, down, torch.where(higher, torch.nextafter(t, inf), t))
+    raise AssertionError("thresholds of the map did not converge")
+
+
+def order_key(bits: torch.Tensor) -> torch.Tensor:
+    "fp32 values viewed as int32 (`bits`) as int32 keys in the values' order (negative floats' bits count down)."
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+_TABLES: dict = {}  # (format, signed, device) -> CodeTable
+
+
+def code_table(fmt: str, signed: bool, device: torch.device | str = 'cpu') -> CodeTable:
+    """`qmap(fmt, signed)`'s rounding as a `CodeTable` on `device`, for inputs in [-1, 1] ([0, 1] unsigned): buckets
+    as wide as the closest two thresholds allow (2**shift keys), about 16k of them for the 8-bit maps. Made once."""
+    key = (fmt, signed, torch.device(device))
+    if key not in _TABLES:
+        m = qmap(fmt, signed)
+        keys = order_key(thresholds(m).view(torch.int32))
+        shift = int(keys.diff().min()).bit_length() - 1  # a bucket is narrower than any two thresholds' distance
+        lo = int(order_key(torch.tensor([-1.0 if signed else 0.0]).view(torch.int32)))
+        n = ((int(order_key(torch.tensor([1.0]).view(torch.int32))) - lo) >> shift) + 1
+        starts = lo + (torch.arange(n, dtype=torch.int64) << shift)
+        base = torch.searchsorted(keys.long(), starts, right=True)
+        next_key = torch.cat([keys, torch.tensor([torch.iinfo(torch.int32).max], dtype=torch.int32)])[base]
+        _TABLES[key] = CodeTable(shift, lo, base.to(torch.uint8).to(device), next_key.to(device))
+    return _TABLES[key]
+
+
+def nearest_codes(x: torch.Tensor, fmt: str, signed: bool, in_place: bool = False) -> torch.Tensor:
+    """The uint8 code of the value of `qmap(fmt, signed)` nearest to each element of the fp32 tensor `x` (in [-1, 1];
+    a tie goes up, as torchao's), by `code_table`. `in_place`: `x` is scratch, and its memory is reused (eager: the
+    fewest allocations); else only out-of-place ops, which `torch.compile` fuses into one loop."""
+    t = code_table(fmt, signed, x.device)
+    n = t.base.numel()
+    bits = x.view(torch.int32)
+    if not in_place:
+        key = order_key(bits)
+        i = ((key - t.lo) >> t.shift).clamp(0, n - 1)
+        return t.base[i] + (key >= t.next_key[i]).to(torch.uint8)
+    s = bits >> 31
+    key = bits.__ixor__(s.__iand__(0x7FFFFFFF))
+    i = torch.sub(key, t.lo, out=s).__irshift__(t.shift).clamp_(0, n - 1).view(-1)
+    codes = t.base.index_select(0, i).view(x.shape)
+    return codes.add_(torch.ge(key, t.next_key.index_select(0, i).view(x.shape)).view(torch.uint8))
 
 
 def quantize(x: torch.Tensor, fmt: str, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,11 +181,12 @@ def quantize(x: torch.Tensor, fmt: str, signed: bool = True) -> tuple[torch.Tens
     fp8). `signed`: the map for values of any sign, else for non-negative ones (8/4-bit)."""
     f = FORMATS[fmt]
     blocks = _blocks(x, f.block)
-    absmax = blocks.abs().amax(1).clamp_(min=_TINY)
+    lo, hi = torch.aminmax(blocks, dim=1)  # (the absmax without a copy of the blocks' absolute values)
+    absmax = torch.maximum(hi, lo.neg_()).clamp_(min=_TINY)
     if fmt == 'fp8':
         scale = absmax / _FP8_MAX
         return (blocks / scale[:, None]).to(f.codes_dtype).view(-1), scale
-    codes = _nearest(blocks / absmax[:, None], qmap(fmt, signed, x.device)).to(torch.uint8).view(-1)
+    codes = nearest_codes(blocks / absmax[:, None], fmt, signed, in_place=True).view(-1)
     if fmt == '4bit': codes = (codes[::2] << 4) | codes[1::2]
     return codes, absmax
 
@@ -132,8 +198,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool,
     if fmt == 'fp8': values = codes.float()
     else:
         if fmt == '4bit': codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-        values = qmap(fmt, signed, codes.device)[codes.int()]
-    return (values.view(-1, f.block) * scale[:, None]).view(-1)[:numel].to(dtype)
+        values = qmap(fmt, signed, codes.device).index_select(0, codes.int())  # (index_select: a fast gather)
+    return values.view(-1, f.block).mul_(scale[:, None]).view(-1)[:numel].to(dtype)
 
 
 def bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
