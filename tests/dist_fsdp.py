@@ -13,12 +13,12 @@ import distributed as D
 from cases import case
 
 
-def fsdp_model(shard_head: bool = True) -> nn.Module:
-    """`distributed.make_model` with each Linear sharded by FSDP2 (its params become `Shard(0)` DTensors: the 3-row head
-    splits 2 + 1, unevenly), and the root, as torchtitan wraps a model. `shard_head=False` leaves the head plain
-    (replicated, its grads averaged by hand as DDP would): a model mixing DTensor and plain params."""
+def fsdp_model(shard_head: bool = True, make=D.make_model) -> nn.Module:
+    """`distributed.make_model` (or `make`'s model) with each Linear sharded by FSDP2 (its params become `Shard(0)`
+    DTensors: the 3-row head splits 2 + 1, unevenly), and the root, as torchtitan wraps a model. `shard_head=False`
+    leaves the head plain (replicated, its grads averaged by hand as DDP would): a model mixing DTensor and plain params."""
     from torch.distributed.fsdp import fully_shard
-    model = D.make_model()
+    model = make()
     fully_shard(model[0])
     if shard_head:
         fully_shard(model[2])
@@ -172,3 +172,54 @@ def skip_a_nan_shard(rank: int, world: int, steps: int, lr: float, nan_step: int
         skipped.append(opt.step_stats['skipped'])
         opt.zero_grad()
     return {'params': full(model), 'skipped': skipped, 'total': opt.step_stats['skipped_total']}
+
+
+# -- low-bit state (`state_precision=`) on shards --------------------------------------------------------------------
+MISALIGNED = '0.bias'  # on 2 ranks, shards of 128 elements: half an 8-bit block each (4-bit's blocks are 128)
+
+
+def lowbit_groups(named) -> list:
+    """`lowbit_model`'s named params for `cbopt.Adam`: all but `MISALIGNED` in one group (`min_quantize_size` the
+    optimizer's), `MISALIGNED` in a group that quantizes any size (`min_quantize_size=1`)."""
+    named = list(named)  # ('0.bias#0', '0.bias#1': its halves, in the one-process reference of test_fsdp.py)
+    return [{'params': [(n, p) for n, p in named if n.split('#')[0] != MISALIGNED]},
+            {'params': [(n, p) for n, p in named if n.split('#')[0] == MISALIGNED], 'min_quantize_size': 1}]
+
+
+def make_lowbit_opt(named, prec: str, backend, lr: float) -> cbopt.Optimizer:
+    "AdamW's chain over `lowbit_groups` with `state_precision=prec` (a group's own `min_quantize_size` kept)."
+    from cbopt.recipes.fastai import adam_chain
+    return cbopt.Optimizer(lowbit_groups(named), adam_chain(), lr=lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.1,
+                           state_precision=prec, min_quantize_size=D.LOWBIT_MIN, backend=backend)
+
+
+def lowbit_grads(step: int, shapes: dict) -> dict:
+    "Seeded grads for params of `shapes` (name -> shape) at step `step`, the same on every rank and in one process."
+    g = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def train_lowbit(rank: int, world: int, runs: list, steps: int, lr: float) -> dict:
+    """Adam with each `(state_precision, backend)` of `runs` on FSDP2's shards of `lowbit_model`, `steps` steps of
+    `lowbit_grads` (each rank given its shards of them: the one-process reference gets the very same numbers, where
+    FSDP2's reduction of a batch's grads would round them otherwise): the full params, the state as a checkpoint holds
+    it (whole tensors' parts, gathered), the state dequantized, and what this rank stores: each param's state sizes,
+    whether its blocks line up with the whole tensor's."""
+    from cbopt.core.dtensor import shard_like
+    from cbopt.state.lowbit import blocks_line_up
+    out = {}
+    for prec, be in runs:
+        model = fsdp_model(make=D.lowbit_model)
+        opt = make_lowbit_opt(model.named_parameters(), prec, be, lr)
+        named = dict(model.named_parameters())
+        for i in range(steps):
+            for n, g in lowbit_grads(i, {n: p.shape for n, p in named.items()}).items(): named[n].grad = shard_like(g, named[n])
+            opt.step()
+            opt.zero_grad()
+        out[(prec, str(be))] = {
+            'params': full(model), 'state': D.whole(opt.named_state_dict()),
+            'dequantized': D.whole(opt.named_state_dict(dequantize=True)),
+            'stored': {n: {k: v.numel() for k, v in opt.state[p].items() if torch.is_tensor(v) and type(v) is torch.Tensor}
+                       for n, p in named.items()},
+            'line_up': {n: blocks_line_up(p, prec) for n, p in named.items()}}
+    return out

@@ -144,6 +144,18 @@ def make_model(bias: bool = True) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8, bias=bias), nn.Tanh(), nn.Linear(8, 3, bias=bias))
 
 
+LOWBIT_MIN = 768  # min_quantize_size of `lowbit_model`'s state: its weights are quantized, its biases fp32
+
+
+def lowbit_model() -> nn.Module:
+    """A model for low-bit state (`state_precision=`), 6-256-3 on `batch`'s data. On 2 ranks, FSDP2 splits both weights
+    on block boundaries of 8-bit and 4-bit state: the first into shards of 128 rows of 6 (768 elements, 3 blocks of
+    256), the head's 3 rows of 256 unevenly, 2 + 1; each shard of the head (512, 256 elements) is under `LOWBIT_MIN`,
+    the head (768) is not."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 3))
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     "The global batch of step `step` (16 rows): each rank trains on its rows `rank::world`."
     g = torch.Generator().manual_seed(step)
@@ -345,10 +357,12 @@ def zero_one_cycle(rank: int, world: int, built_with: str, steps: int) -> dict:
 
 
 # -- distributed checkpoints (DCP): saved on one world size, loaded on another ------------------------------------
-def make_dcp_opt(model) -> cbopt.Optimizer:
+def make_dcp_opt(model, lowbit: str | None = None) -> cbopt.Optimizer:
     """AdamW under a linear warmup and 3-step accumulation: whole-model callbacks whose state (the warmup count, the
-    accumulation count in the group entries, the grad sums in the per-param state) must survive a checkpoint."""
-    adam = cbopt.Adam(model.named_parameters(), lr=1e-2, wd=0.1)
+    accumulation count in the group entries, the grad sums in the per-param state) must survive a checkpoint.
+    `lowbit`: its `state_precision` (params of `LOWBIT_MIN` elements and more; `lowbit_model`'s weights)."""
+    low = {'state_precision': lowbit, 'min_quantize_size': LOWBIT_MIN} if lowbit else {}
+    adam = cbopt.Adam(model.named_parameters(), lr=1e-2, wd=0.1, **low)
     warm = cbopt.WarmupOptimizer(adam, [cbopt.WarmupStage(cbopt.WarmupPolicy.LINEAR, max_iters=10, value=0.1)], lr=None)
     return cbopt.Accumulate(warm, every=3)
 
@@ -366,9 +380,10 @@ def dcp_save_and_load(model, opt, path: str, load: bool, flat: bool = False) -> 
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
 
 
-def perturbed_model() -> nn.Module:
-    "`make_model()` with other values: a load that left a param or its state as it was would show."
-    model = make_model()
+def perturbed_model(lowbit: str | None = None) -> nn.Module:
+    """`make_model()` (`lowbit_model()` where `lowbit` is a precision) with other values: a load that left a param or its
+    state as it was would show."""
+    model = lowbit_model() if lowbit else make_model()
     with torch.no_grad():
         for p in model.parameters(): p.mul_(-2).add_(0.5)
     return model
@@ -396,11 +411,12 @@ def whole_params(model: nn.Module) -> dict:
     return {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int, flat: bool = False) -> dict:
+def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int, flat: bool = False,
+             lowbit: str | None = None) -> dict:
     """The model under DDP or FSDP2 (`kind`) trains `steps` steps, saves a DCP checkpoint to `path` (each rank its
-    share; `flat`: flattened), then trains `more` steps on."""
-    model = wrapped(kind, make_model())
-    opt = make_dcp_opt(model)
+    share; `flat`: flattened), then trains `more` steps on. `lowbit`: `lowbit_model` with that `state_precision`."""
+    model = wrapped(kind, lowbit_model() if lowbit else make_model())
+    opt = make_dcp_opt(model, lowbit)
     train(model, opt, steps, rank, world)
     saved = {'params': whole_params(model), 'state': whole(opt.named_state_dict())}
     dcp_save_and_load(model, opt, path, load=False, flat=flat)
@@ -408,11 +424,11 @@ def dcp_save(rank: int, world: int, kind: str, path: str, steps: int, more: int,
     return {**saved, 'final': whole_params(model)}
 
 
-def dcp_load(rank: int, world: int, kind: str, path: str, steps: int, more: int) -> dict:
+def dcp_load(rank: int, world: int, kind: str, path: str, steps: int, more: int, lowbit: str | None = None) -> dict:
     """A model of other values under DDP or FSDP2 (`kind`) loads the DCP checkpoint at `path` (saved after `steps`
-    steps), then trains `more` steps."""
-    model = wrapped(kind, perturbed_model())
-    opt = make_dcp_opt(model)
+    steps), then trains `more` steps. `lowbit`: `lowbit_model` with that `state_precision`."""
+    model = wrapped(kind, perturbed_model(lowbit))
+    opt = make_dcp_opt(model, lowbit)
     dcp_save_and_load(model, opt, path, load=True)
     loaded = {'params': whole_params(model), 'state': whole(opt.named_state_dict())}
     train(model, opt, more, rank, world, start=steps)

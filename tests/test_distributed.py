@@ -172,11 +172,11 @@ def assert_same_state(got: dict, want: dict, what: str) -> None:
             else: assert got['state'][n][k] == v, f'{what} {n} {k}'
 
 
-def continued(state: dict, weights: dict, steps: int, start: int) -> dict:
+def continued(state: dict, weights: dict, steps: int, start: int, lowbit: str | None = None) -> dict:
     "One process from the given params and optimizer state (loaded without DCP), `steps` steps on the global batch."
-    model = D.perturbed_model()
+    model = D.perturbed_model(lowbit)
     model.load_state_dict(weights)
-    opt = D.make_dcp_opt(model)
+    opt = D.make_dcp_opt(model, lowbit)
     opt.load_state_dict(state)
     D.train(model, opt, steps, start=start)
     return D.params(model)
@@ -206,19 +206,42 @@ def test_dcp_checkpoint_of_2_ranks_resumes_in_1_process(tmp_path, kind, flat):
         for r in ranks: assert_tensor_close(p, r['final'][n], f'uninterrupted {n}')
 
 
-@pytest.mark.parametrize('kind', ['ddp', 'fsdp'])
+@pytest.mark.parametrize('lowbit, flat', [('8bit', False), ('4bit', True)])
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')
-def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path, kind):
+def test_dcp_low_bit_checkpoint_of_2_fsdp_ranks_resumes_in_1_process(tmp_path, lowbit, flat):
+    """Low-bit state (`state_precision=`) on FSDP2: each rank quantizes its shard, and its checkpoint holds each entry
+    as one process stores the whole tensor (codes and absmax DTensors of the whole tensor's sizes), so dcp.load in 1
+    process loads it bit for bit (the codes the 2 ranks held, concatenated) and goes on as the uninterrupted run."""
+    ranks = D.spawn(D.dcp_save, 'fsdp', str(tmp_path), DCP_STEPS, DCP_MORE, flat, lowbit)
+    saved = ranks[0]
+    assert {'grad_avg.codes', 'grad_avg.absmax', 'sqr_avg.codes', 'sqr_avg.absmax'} <= set(saved['state']['state']['2.weight'])
+    assert 'grad_avg' in saved['state']['state']['2.bias']  # (3 elements: under min_quantize_size, fp32)
+    model = D.perturbed_model(lowbit)
+    opt = D.make_dcp_opt(model, lowbit)
+    D.dcp_save_and_load(model, opt, str(tmp_path), load=True, flat=flat)
+    assert_same_state(opt.named_state_dict(), saved['state'], 'loaded state')
+    for n, p in D.params(model).items(): assert torch.equal(p, saved['params'][n]), n
+    D.train(model, opt, DCP_MORE, start=DCP_STEPS)
+    same = continued(saved['state'], saved['params'], DCP_MORE, DCP_STEPS, lowbit)
+    for n, p in D.params(model).items():
+        assert torch.equal(p, same[n]), n
+        for r in ranks: assert_tensor_close(p, r['final'][n], f'uninterrupted {n}')
+
+
+@pytest.mark.parametrize('kind, lowbit', [('ddp', None), ('fsdp', None), ('fsdp', '8bit')])
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled')
+def test_dcp_checkpoint_of_1_process_resumes_on_2_ranks(tmp_path, kind, lowbit):
     """The reverse: 1 process saves with get_state_dict + dcp.save, 2 ranks (DDP, or FSDP2 resharding it) load it and
-    go on: each loads the state bit for bit and ends where the uninterrupted process does."""
-    model = D.make_model()
-    opt = D.make_dcp_opt(model)
+    go on: each loads the state bit for bit and ends where the uninterrupted process does. With 8-bit state
+    (`lowbit`), each rank takes its shard's blocks of the whole tensor's codes (the head's rows split 2 + 1)."""
+    model = D.lowbit_model() if lowbit else D.make_model()
+    opt = D.make_dcp_opt(model, lowbit)
     D.train(model, opt, DCP_STEPS)
     saved = opt.named_state_dict()
     D.dcp_save_and_load(model, opt, str(tmp_path), load=False)
     weights = D.params(model)
     D.train(model, opt, DCP_MORE, start=DCP_STEPS)
-    ranks = D.spawn(D.dcp_load, kind, str(tmp_path), DCP_STEPS, DCP_MORE)
+    ranks = D.spawn(D.dcp_load, kind, str(tmp_path), DCP_STEPS, DCP_MORE, lowbit)
     for r in ranks:
         assert_same_state(r['state'], saved, 'loaded state')
         for n, p in weights.items(): assert torch.equal(r['params'][n], p), n

@@ -123,3 +123,56 @@ def test_clipping_and_skipping_across_ranks():
         ref = F.train_one_row_head(make, steps=STEPS, sharded=False)
         for r, res in enumerate(ranks):
             for n, p in ref.items(): assert_tensor_close(res['empty_shard'][k][n], p, f"{k} rank {r} {n}")
+
+
+def one_process_lowbit(prec: str, backend, split: tuple = (), steps: int = STEPS) -> tuple[dict, cbopt.Optimizer]:
+    """`lowbit_model` with `dist_fsdp.make_lowbit_opt` in one process, given `dist_fsdp.lowbit_grads`: the params and
+    the optimizer. The params named in `split` are stepped as their 2 FSDP2 shards would be alone, each its own param
+    (so each quantized in blocks of its own): Adam is elementwise, so this is what 2 ranks compute for them."""
+    model = D.lowbit_model()
+    pieces = {n: [torch.nn.Parameter(t.detach().clone()) for t in (p.chunk(2) if n in split else [p])]
+              for n, p in model.named_parameters()}
+    opt = F.make_lowbit_opt([(f'{n}#{i}' if n in split else n, t) for n, ts in pieces.items() for i, t in enumerate(ts)],
+                            prec, backend, LR)
+    for i in range(steps):
+        for n, g in F.lowbit_grads(i, {n: p.shape for n, p in model.named_parameters()}).items():
+            for t, gt in zip(pieces[n], g.chunk(len(pieces[n]))): t.grad = gt.clone()
+        opt.step()
+    with torch.no_grad():
+        for n, p in model.named_parameters(): p.copy_(torch.cat(pieces[n]))
+    return D.params(model), opt
+
+
+def test_low_bit_state_on_shards_equals_one_process():
+    """8-bit and 4-bit Adam on FSDP2 (2 ranks), given the same grads as one process: each rank quantizes its shard in
+    blocks of its own, which are the whole tensor's blocks where shards start on a block boundary (both weights: their
+    rows of 6 x 128 and of 256), so there the params, codes and absmax are one process's, bit for bit. Whether a param
+    is quantized is decided on the whole tensor: the head's weight (768 elements, `min_quantize_size=768`) is, though
+    its shards (512 and 256) are smaller. The first bias in 8-bit (its 2 shards of 128: half a block each) is
+    quantized in each shard's blocks, so it steps as one process stepping its 2 halves as params of their own."""
+    runs = [('8bit', 'foreach'), ('4bit', 'loop')]
+    ranks = D.spawn(F.train_lowbit, runs, STEPS, LR)
+    for prec, be in runs:
+        split = (F.MISALIGNED,) if prec == '8bit' else ()
+        ref, ref_opt = one_process_lowbit(prec, be, split)
+        ref_state = ref_opt.named_state_dict()['state']
+        ref_deq = ref_opt.named_state_dict(dequantize=True)['state']
+        block = cbopt.state.lowbit.FORMATS[prec].block
+        for r, res in enumerate(ranks):
+            got = res[(prec, be)]
+            assert {n: got['line_up'][n] for n in ('0.weight', '0.bias', '2.weight')} == {
+                '0.weight': True, '0.bias': not split, '2.weight': True}, got['line_up']
+            rows = [128, 2 if r == 0 else 1]  # this rank's rows of 0.weight and 2.weight
+            for n, numel in (('0.weight', rows[0] * 6), ('2.weight', rows[1] * 256), ('0.bias', 128)):
+                stored = got['stored'][n]  # this rank's shard, in whole blocks of its own
+                assert stored['grad_avg.absmax'] == -(-numel // block), (prec, r, n, stored)
+                assert stored['grad_avg.codes'] == stored['grad_avg.absmax'] * block // (2 if prec == '4bit' else 1)
+            assert 'grad_avg' in got['state']['state']['2.bias']  # (3 elements: fp32)
+            for n, p in ref.items(): assert torch.equal(got['params'][n], p), (prec, r, n)
+            for n, s in ref_state.items():
+                if n.split('#')[0] in split: continue
+                for k, v in s.items():  # the checkpoint's whole-tensor parts: one process's
+                    if torch.is_tensor(v): assert torch.equal(got['state']['state'][n][k], v), (prec, r, n, k)
+            for n in split:  # its 2 halves' states, end to end
+                for k in ('grad_avg', 'sqr_avg'):
+                    assert torch.equal(got['dequantized']['state'][n][k], torch.cat([ref_deq[f'{n}#{i}'][k] for i in range(2)]))

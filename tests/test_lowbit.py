@@ -437,11 +437,48 @@ def test_every_case_steps_and_resumes_in_8bit(c):
     assert_same_params(model, ref)
 
 
-def test_dtensor_params_refused_clearly(one_rank_mesh):
-    "Low-bit state for params sharded as DTensors (FSDP2) is not supported yet: refused when asked, naming it."
+def test_dtensor_params_step_save_and_load_as_plain_ones(one_rank_mesh):
+    """A param sharded as a DTensor (here on a mesh of this process alone: FSDP2 on 2 ranks is tests/test_fsdp.py) steps
+    as the plain param does, bit for bit, in every format; its checkpoint holds the whole tensor's parts as DTensors
+    (what DCP reshards), which load into a plain optimizer, and a plain optimizer's into it, to the same state."""
     from conftest import sharded
-    w = nn.Parameter(sharded(one_rank_mesh, torch.randn(64, 64)))
-    with pytest.raises(NotImplementedError, match="DTensors"): cbopt.Adam([w], state_precision='8bit')
+    torch.manual_seed(0)
+    w0, grads = torch.randn(96, 64), [torch.randn(96, 64) for _ in range(3)]
+    for prec in PRECISIONS:
+        plain, dt = nn.Parameter(w0.clone()), nn.Parameter(sharded(one_rank_mesh, w0.clone()))
+        make = lambda w: cbopt.Optimizer([('w', w)], adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                                         state_precision=prec)
+        opts = [make(plain), make(dt)]
+        for i, g in enumerate(grads):
+            for w, o in zip((plain, dt), opts):
+                w.grad = g.clone() if w is plain else sharded(one_rank_mesh, g.clone())
+                torch.manual_seed(i)  # (bf16's stochastic rounding draws from torch's RNG)
+                o.step()
+        assert torch.equal(plain, dt.full_tensor()), prec
+        assert cbopt.state_bytes(opts[0]) == cbopt.state_bytes(opts[1])
+        sd_plain, sd_dt = (o.state_dict()['state'][0] for o in opts)
+        assert set(sd_plain) == set(sd_dt) and all(type(v).__name__ == 'DTensor' for v in sd_dt.values() if torch.is_tensor(v))
+        bits = lambda t: t.full_tensor() if hasattr(t, 'full_tensor') else t
+        for k, v in sd_plain.items():
+            if torch.is_tensor(v): assert torch.equal(v.view(torch.uint8), bits(sd_dt[k]).view(torch.uint8)), (prec, k)
+        # the sharded checkpoint into a plain optimizer, the plain one into a sharded optimizer: the same state
+        for sd, w, like in ((opts[1].state_dict(), nn.Parameter(w0.clone()), opts[0].state[plain]),
+                            (opts[0].state_dict(), nn.Parameter(sharded(one_rank_mesh, w0.clone())), opts[1].state[dt])):
+            again = make(w)
+            again.load_state_dict(sd)
+            assert set(again.state[w]) == set(like)
+            for k, v in like.items():
+                got = again.state[w][k]
+                assert type(got) is type(v) and (torch.equal(bits(got).view(torch.uint8), bits(v).view(torch.uint8))
+                                                 if torch.is_tensor(v) else got == v), (prec, k)
+
+
+def test_dtensor_params_sharded_otherwise_refused(one_rank_mesh):
+    "Low-bit state for a DTensor sharded other than on dim 0 (tensor parallel's Shard(1)) is refused, naming it."
+    from torch.distributed.tensor import Shard, distribute_tensor
+    w = nn.Parameter(distribute_tensor(torch.randn(64, 64), one_rank_mesh, [Shard(1)]))
+    with pytest.raises(NotImplementedError, match=r"param 0: a DTensor with placements \(Shard\(dim=1\),\)"):
+        cbopt.Adam([w], state_precision='8bit')
     opt = cbopt.Adam([w])
-    with pytest.raises(NotImplementedError, match="DTensors"): opt.set_state_precision('4bit')
+    with pytest.raises(NotImplementedError, match="Shard"): opt.set_state_precision('4bit')
     assert 'state_precision' not in opt.param_groups[0]

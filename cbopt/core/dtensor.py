@@ -21,7 +21,7 @@ import torch
 from .chain import cb_name, chain_scope, unwrap
 
 __all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'across_shards', 'any_across_shards',
-           'PartialNumberError', 'refusing_partial_numbers']
+           'dim0_shards', 'row_spans', 'shard_like', 'gather_pieces', 'PartialNumberError', 'refusing_partial_numbers']
 
 
 def _dtensor_module():
@@ -64,12 +64,18 @@ def as_like(shard: torch.Tensor, like) -> torch.Tensor:
                                                 shape=like.shape, stride=like.stride())
 
 
+def shard_like(whole: torch.Tensor, like) -> torch.Tensor:
+    """`whole` (a plain tensor every rank holds, of any shape whose dim 0 may be sharded) laid out as `like` is: each
+    rank keeps its own part of it, with no communication. `whole` itself where `like` is not a DTensor."""
+    if not is_dtensor(like): return whole
+    return _dtensor_module().distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+
+
 def on_whole(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """`fn(x)` for a function that needs all of `x` at once (Muon's orthogonalisation): for a DTensor, `fn` of the whole
     tensor, gathered on every rank, and the result laid out as `x` is (each rank keeping its own shard of it)."""
     if not is_dtensor(x): return fn(x)
-    whole = fn(x.full_tensor())
-    return _dtensor_module().distribute_tensor(whole, x.device_mesh, x.placements, src_data_rank=None)
+    return shard_like(fn(x.full_tensor()), x)
 
 
 def global_value(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +97,41 @@ def any_across_shards(flag: torch.Tensor, like) -> torch.Tensor:
     """Whether `flag` (a 0-d bool tensor computed from this rank's shard of `like`) holds on any rank, so every rank
     decides the same. Counted as a sum: a max would let an all-reduce drop a NaN."""
     return across_shards(flag.to(torch.int32), like, 'sum') > 0
+
+
+def dim0_shards(t) -> tuple[int, int]:
+    """How many shards dim 0 of `t` is split into, and which of them this rank holds: `(1, 0)` for a plain or
+    replicated tensor; FSDP2's `Shard(0)`, or HSDP's `(Replicate(), Shard(0))`, over its mesh dim. What a rank needs to
+    know where its shard lies in the whole tensor (`row_spans`). Any other layout (TP's `Shard(1)`, dim 0 sharded on
+    two mesh dims, a strided shard) raises ValueError, naming its placements."""
+    if not is_dtensor(t): return 1, 0
+    n, me = 1, 0
+    for d, pl in enumerate(t.placements):
+        if pl.is_replicate(): continue
+        if type(pl).__name__ == 'Shard' and pl.is_shard(0) and n == 1:
+            n, me = t.device_mesh.size(d), t.device_mesh.get_local_rank(d)
+            continue
+        raise ValueError(f"a DTensor with placements {tuple(t.placements)}: only dim 0 sharded over one mesh dim "
+                         "(FSDP2's Shard(0)) is supported here")
+    return n, me
+
+
+def row_spans(rows: int, n: int) -> list[tuple[int, int]]:
+    """Where each of `n` shards of `rows` rows lies: `(first row, rows)` per shard, by `torch.chunk`'s rule, which
+    DTensor's `Shard` follows (shards of `ceil(rows / n)` rows, the last ones shorter or empty)."""
+    size = -(-rows // n) if rows else 0
+    return [(min(r * size, rows), max(0, min(rows, (r + 1) * size) - min(r * size, rows))) for r in range(n)]
+
+
+def gather_pieces(piece: torch.Tensor, like, size: int) -> torch.Tensor:
+    """Every shard's 1-D `piece` (this rank's; at most `size` elements, padded to it), gathered over the ranks that
+    shard dim 0 of the DTensor `like`: an `(n, size)` tensor, row `i` shard `i`'s (a collective: every rank calls it).
+    For pieces whose sizes follow no chunk rule (low-bit state's codes of uneven shards)."""
+    n, _ = dim0_shards(like)
+    padded = torch.nn.functional.pad(piece, (0, size - piece.numel())) if piece.numel() < size else piece
+    whole = _dtensor_module().DTensor.from_local(padded, like.device_mesh, like.placements, run_check=False,
+                                                 shape=(n * size,), stride=(1,))
+    return whole.full_tensor().view(n, size)
 
 
 class PartialNumberError(RuntimeError):

@@ -14,6 +14,13 @@ weights_only=True)` reads): `'<entry>.codes'` (uint8; 4-bit packs two codes per 
 one per block) for 8-bit and 4-bit, `'<entry>.codes'` (float8_e4m3fn) and `'<entry>.scale'` for fp8, the entry itself
 as a bf16 tensor for bf16. The engine turns a chunk's stored entries into fp32 tensors before the chain (`unpack`)
 and stores them again after it (`pack`): `cbopt.engine.lowbit`. The number formats are `cbopt.core.quant`'s.
+
+A param sharded by FSDP2 (a DTensor, `Shard(0)`): whether it is quantized is decided on the whole tensor's size; each
+rank stores its own shard's entries in blocks of its own (plain tensors, no communication in a step), which are the
+whole tensor's blocks, so the codes one process stores, wherever each shard starts on a block boundary
+(`blocks_line_up`: always where a row is whole blocks); elsewhere each shard is quantized as a param of its own
+would be. A checkpoint holds the whole tensor's parts, as one process stores them, as DTensors (`whole_parts`, a
+collective), and a load takes this rank's blocks from them (`load_entry`): DCP reshards it to any number of ranks.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..core.chain import cached, param_chain
-from ..core.dtensor import is_dtensor
+from ..core.dtensor import as_like, dim0_shards, gather_pieces, global_value, is_dtensor, local, row_spans, shard_like
 from ..core.quant import FORMATS, bf16_stochastic, dequantize, n_blocks, quantize
 from ..core.runtime import param_states
 from ..core.spec import spec
@@ -32,7 +39,7 @@ if TYPE_CHECKING: from ..optimizer import Optimizer
 
 __all__ = ['PRECISIONS', 'MIN_QUANTIZE_SIZE', 'SETTINGS', 'check_settings', 'precision', 'chain_kinds', 'unkinded',
            'entry_format', 'param_plan', 'pack', 'unpack', 'Packed', 'logical', 'load_entry', 'stored', 'state_bytes',
-           'dequantized_state', 'stored_part', 'stored_base', 'torch_stored_name']
+           'dequantized_state', 'stored_part', 'stored_base', 'torch_stored_name', 'blocks_line_up', 'whole_parts']
 
 PRECISIONS = ('fp32', 'bf16', '8bit', '4bit', 'fp8')
 """The values of `state_precision=`: fp32 state (the default), bf16 with stochastic rounding, block-wise 8-bit,
@@ -47,15 +54,19 @@ _PARTS = ('codes', 'absmax', 'scale')
 
 def check_settings(precision_: Any, min_size: Any, where: str = '', params: Iterable = ()) -> None:
     """Refuse an unknown `state_precision` or a `min_quantize_size` that is not an int >= 1, naming the group; and
-    low-bit state for params sharded as DTensors (FSDP2), which is not supported yet (its blocks would have to be the
-    whole param's, so that a sharded run stores what one process does)."""
+    low-bit state for DTensor params sharded other than on dim 0 (FSDP2's `Shard(0)`, HSDP's): a rank must know where
+    its shard lies in the whole tensor to save its blocks as one process's (`whole_parts`)."""
     if precision_ not in PRECISIONS:
         raise ValueError(f"state_precision={precision_!r}{where}: expected one of {PRECISIONS}")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_quantize_size={min_size!r}{where}: expected an int >= 1")
-    if precision_ != 'fp32' and any(is_dtensor(p) for p in params):
-        raise NotImplementedError(f"state_precision={precision_!r}{where} with params sharded as DTensors (FSDP2) is not "
-                                  "supported yet: keep state_precision='fp32' for them")
+    if precision_ != 'fp32':
+        for i, p in enumerate(params):
+            if not is_dtensor(p): continue
+            try: dim0_shards(p)
+            except ValueError as e:
+                raise NotImplementedError(f"state_precision={precision_!r}{where}, param {i}: {e}; keep "
+                                          "state_precision='fp32' for it") from None
 
 
 def precision(group: Mapping) -> str:
@@ -130,9 +141,10 @@ def pack(st: dict, p: torch.Tensor, plan: Mapping, stochastic: bool = True) -> N
         if fmt == 'bf16':
             if v.dtype == torch.bfloat16: continue
             del st[k]
-            st[k] = bf16_stochastic(v).view(v.shape) if stochastic else v.to(torch.bfloat16)
+            lv = local(v)
+            st[k] = as_like(bf16_stochastic(lv).view(lv.shape) if stochastic else lv.to(torch.bfloat16), v)
             continue
-        codes, scale = quantize(v, fmt, signed)
+        codes, scale = quantize(local(v), fmt, signed)  # (a DTensor's: its shard's blocks, kept as plain tensors)
         del st[k]
         st[f'{k}.codes'], st[f'{k}.{FORMATS[fmt].scale_key}'] = codes, scale
 
@@ -147,19 +159,20 @@ def unpack(st: dict, p: torch.Tensor, plan: Mapping) -> None:
         codes = st.pop(f'{k}.codes', None)
         if codes is None: continue
         scale = st.pop(f'{k}.{FORMATS[fmt].scale_key}')
-        st[k] = dequantize(codes, scale, fmt, signed, p.numel(), p.dtype).view(p.shape)
+        lp = local(p)
+        st[k] = as_like(dequantize(codes, scale, fmt, signed, lp.numel(), p.dtype).view(lp.shape), p)
 
 
 def state_bytes(opt: Optimizer) -> int:
     """The bytes of state tensors `opt` holds for its params (codes, scales, fp32 and bf16 entries alike; the shared
-    quantization maps and Python numbers not counted): what `state_precision=` saves."""
+    quantization maps and Python numbers not counted; a sharded param's on this rank): what `state_precision=` saves."""
     seen, total = set(), 0
     for st in param_states(opt).values():
         if not isinstance(st, Mapping): continue
         for v in st.values():
             if isinstance(v, torch.Tensor) and id(v) not in seen:
                 seen.add(id(v))
-                total += v.numel() * v.element_size()
+                total += local(v).numel() * v.element_size()  # (a DTensor's: this rank's shard)
     return total
 
 
@@ -171,8 +184,10 @@ class Packed(NamedTuple):
     scale: torch.Tensor
 
     def dequantized(self, signed: bool, p: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.codes.to(p.device), self.scale.to(p.device, torch.float32), self.fmt, signed,
-                          p.numel(), p.dtype).view(p.shape)
+        "The whole entry in fp32 (`p`'s dtype), laid out as `p` is (a DTensor's parts gathered first: a collective)."
+        codes, scale = global_value(self.codes), global_value(self.scale)
+        whole = dequantize(codes.to(p.device), scale.to(p.device, torch.float32), self.fmt, signed, p.numel(), p.dtype)
+        return shard_like(whole.view(p.shape), p)
 
 
 def logical(st: Mapping, p: torch.Tensor, fmt: str, what: str, like: bool = False) -> dict:
@@ -198,11 +213,12 @@ def logical(st: Mapping, p: torch.Tensor, fmt: str, what: str, like: bool = Fals
                 raise ValueError(f"state {base!r} of {what} ({fmt}) has {base + '.' + k!r}, which {fmt} does not store "
                                  f"(it stores {[base + '.' + n for n in need]})")
         codes, scale = got['codes'], got[f.scale_key]
-        if not isinstance(codes, torch.Tensor) or codes.dtype != f.codes_dtype or codes.shape != (f.codes_numel(p.numel()),):
+        numel = local(p).numel() if like else p.numel()  # (a sharded param's own: its shard's; a checkpoint's: whole)
+        if not isinstance(codes, torch.Tensor) or codes.dtype != f.codes_dtype or codes.shape != (f.codes_numel(numel),):
             raise ValueError(f"state {base!r} of {what} ({fmt}): {base + '.codes'!r} should be a {f.codes_dtype} tensor of "
-                             f"shape ({f.codes_numel(p.numel())},) for {p.numel()} elements, got "
+                             f"shape ({f.codes_numel(numel)},) for {numel} elements, got "
                              f"{_describe(codes)}")
-        nb = n_blocks(p.numel(), f.block)
+        nb = n_blocks(numel, f.block)
         if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.shape != (nb,):
             raise ValueError(f"state {base!r} of {what} ({fmt}): {base + '.' + f.scale_key!r} should be a float tensor "
                              f"of shape ({nb},), got {_describe(scale)}")
@@ -241,15 +257,21 @@ def load_entry(value: Any, like: Any, p: torch.Tensor, plan: Mapping, key: str, 
                load_value: Callable[[Any], Any]) -> Any:
     """One entry of a checkpoint's state, as this optimizer stores it: a `Packed` entry in this optimizer's format for
     it is taken as it is (bit for bit), another is dequantized and then loaded as an fp32 entry is (`load_value`,
-    checked against `like`)."""
+    checked against `like`). For a DTensor param: this rank's shard of a whole entry, whatever the world size that
+    saved it (gathered where it is a DTensor: a collective); for a plain param, a DTensor entry whole."""
     if isinstance(value, Packed):
         mine = plan.get(key)
-        if mine is not None and mine[0] == value.fmt: return value._replace(codes=value.codes.to(p.device, copy=True),
-                                                                          scale=value.scale.to(p.device, torch.float32, copy=True))
+        if mine is not None and mine[0] == value.fmt:
+            if is_dtensor(p): return value._replace(**dict(zip(('codes', 'scale'), _shard_parts(value, p, mine[1]))))
+            return value._replace(codes=global_value(value.codes).to(p.device, copy=True),
+                                  scale=global_value(value.scale).to(p.device, torch.float32, copy=True))
         if key not in kinds:
             raise ValueError(f"state {key!r} is stored quantized in the state_dict, but this chain declares no kind "
                              "for it (cb.state_kinds): cannot tell its map")
         value = value.dequantized(kinds[key] != 'nonnegative', p)
+    elif is_dtensor(p) and isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == p.shape:
+        value = shard_like(value, p)  # (a whole entry, from one process's checkpoint: this rank's shard of it)
+    elif is_dtensor(value) and not is_dtensor(p): value = global_value(value)  # (a sharded run's, into a plain param)
     return load_value(value)
 
 
@@ -260,6 +282,75 @@ def stored(st: dict, p: torch.Tensor, plan: Mapping) -> dict:
         if isinstance(v, Packed): out[f'{k}.codes'], out[f'{k}.{FORMATS[v.fmt].scale_key}'] = v.codes, v.scale
         else: out[k] = v
     pack(out, p, plan, stochastic=False)
+    return out
+
+
+# -- params sharded by FSDP2 ---------------------------------------------------------------------------------------
+def _spans(p: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """Where each shard of `p` (a DTensor sharded on dim 0) lies in the whole flattened tensor, `(offset, numel)` per
+    shard, and which shard is this rank's."""
+    n, me = dim0_shards(p)
+    rows = p.shape[0] if p.ndim else 1
+    row = p.numel() // rows if rows else 0
+    spans = [(start * row, count * row) for start, count in row_spans(rows, n)]
+    if spans[me][1] != local(p).numel():
+        raise RuntimeError(f"a shard of {spans[me][1]} elements was expected on this rank, it holds {local(p).numel()}")
+    return spans, me
+
+
+def blocks_line_up(p: torch.Tensor, fmt: str) -> bool:
+    """Whether every shard of `p` (a DTensor sharded on dim 0) starts on a block boundary of the whole tensor, so that
+    the blocks each rank quantizes its shard in are the blocks one process quantizes the whole tensor in: always when
+    each row of `p` is whole blocks (a multiple of 256 elements for 8-bit and fp8, 128 for 4-bit), else when the rows
+    of a shard are (`ceil(rows / ranks) * row` elements). True for a plain tensor."""
+    if not is_dtensor(p): return True
+    return all(o % FORMATS[fmt].block == 0 for o, n in _spans(p)[0] if n)
+
+
+def _shard_parts(value: Packed, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's parts of a checkpoint's entry, stored as the whole tensor's (`whole_parts`; plain or DTensor: it
+    is gathered, a collective): its blocks where they line up (`blocks_line_up`: bit for bit), else its shard of the
+    dequantized entry quantized anew in its own blocks."""
+    f, (spans, me) = FORMATS[value.fmt], _spans(p)
+    codes = global_value(value.codes).to(p.device)
+    scale = global_value(value.scale).to(p.device, torch.float32)
+    o, n = spans[me]
+    if n and blocks_line_up(p, value.fmt):
+        nb = n_blocks(n, f.block)
+        return (codes[o // f.per_byte:(o + nb * f.block) // f.per_byte].clone(),
+                scale[o // f.block:o // f.block + nb].clone())
+    whole = dequantize(codes, scale, value.fmt, signed, p.numel())
+    return quantize(whole[o:o + n], value.fmt, signed)
+
+
+def whole_parts(st: Mapping, p: torch.Tensor, group: Mapping) -> Mapping:
+    """`p`'s state as a checkpoint holds it. For a plain param, `st` itself. For a DTensor param (FSDP2), whose stored
+    entries are this rank's shard's blocks (plain tensors), each entry's parts as one process stores the whole
+    tensor's (`'<entry>.codes'` of `codes_numel(p.numel())`, a scale per block), laid out as DTensors sharded on dim 0:
+    a checkpoint that does not depend on how many ranks saved it, so DCP loads it on any number (one process
+    included). Gathered from every rank's codes where the blocks line up (`blocks_line_up`: exactly what one process
+    holds after the same steps), else quantized anew from the gathered fp32 entry in the whole tensor's blocks (a
+    rounding of its own). A collective: every rank calls it, for the same params in the same order."""
+    plan = param_plan(group, p)
+    if not is_dtensor(p) or not plan: return st
+    out = dict(st)
+    (spans, me), lp = _spans(p), local(p)
+    for k, (fmt, signed) in plan.items():
+        if fmt == 'bf16' or f'{k}.codes' not in st: continue
+        f = FORMATS[fmt]
+        codes, scale = st[f'{k}.codes'], st[f'{k}.{f.scale_key}']
+        if blocks_line_up(p, fmt):
+            sizes = [(f.codes_numel(n), n_blocks(n, f.block)) if n else (0, 0) for _, n in spans]
+            most_codes, most_blocks = max(c for c, _ in sizes), max(b for _, b in sizes)
+            mine = spans[me][1] > 0  # (an empty shard's one block of zeros is no part of the whole)
+            all_codes = gather_pieces(codes.view(torch.uint8) if mine else codes.new_zeros(0, dtype=torch.uint8), p, most_codes)
+            all_scale = gather_pieces(scale if mine else scale.new_zeros(0), p, most_blocks)
+            whole_codes = torch.cat([all_codes[r, :c] for r, (c, _) in enumerate(sizes)]).view(f.codes_dtype)
+            whole_scale = torch.cat([all_scale[r, :b] for r, (_, b) in enumerate(sizes)])
+        else:
+            entry = dequantize(codes, scale, fmt, signed, lp.numel()).view(lp.shape)
+            whole_codes, whole_scale = quantize(as_like(entry, p).full_tensor(), fmt, signed)
+        out[f'{k}.codes'], out[f'{k}.{f.scale_key}'] = shard_like(whole_codes, p), shard_like(whole_scale, p)
     return out
 
 

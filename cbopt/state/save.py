@@ -12,7 +12,7 @@ from ..core.chain import chain_counters, chain_name
 from ..core.hypers import Hypers, _plain, model_entries
 from ..core.dtensor import is_dtensor
 from ..core.runtime import param_states
-from .lowbit import SETTINGS, dequantized_state
+from .lowbit import SETTINGS, dequantized_state, whole_parts
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -26,14 +26,15 @@ def named_state_dict(opt: Optimizer, dequantize: bool = False) -> dict:
     earlier step's count). The copies of state on an accelerator (CUDA) are made in host memory (`_snapshot`): a
     dict kept while training holds no second copy of the state on the GPU (Adam's is twice the model's size), and
     `torch.save` writes host memory anyway; every load puts the state back on its params' device. Low-bit state
-    (`cbopt.state.lowbit`) is saved as it is stored, with each group's `state_precision`; `dequantize`: as fp32
+    (`cbopt.state.lowbit`) is saved as it is stored, with each group's `state_precision` (a param sharded by FSDP2: as
+    one process stores the whole tensor, gathered: `lowbit.whole_parts`, a collective); `dequantize`: as fp32
     tensors, and the groups say 'fp32'."""
     state = {}
     for g in opt.param_groups:
         counters = chain_counters(g['cbs'])  # (0-d tensors after a step traced by torch.compile: saved as numbers)
         for name, p in zip(g['param_names'], g['params']):
             if s := param_states(opt).get(p):
-                if dequantize: s = dequantized_state(s, p, g)
+                s = dequantized_state(s, p, g) if dequantize else whole_parts(s, p, g)  # (a shard's: as one process's)
                 state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v), host=True) for k, v in model_entries(g).items()},
                **{k: g[k] for k in SETTINGS if k in g}, **({'state_precision': 'fp32'} if dequantize and 'state_precision' in g else {}),
