@@ -13,16 +13,17 @@ import distributed as D
 from cases import case
 
 
-def fsdp_model(shard_head: bool = True, make=D.make_model) -> nn.Module:
+def fsdp_model(shard_head: bool = True, make=D.make_model, mesh=None) -> nn.Module:
     """`distributed.make_model` (or `make`'s model) with each Linear sharded by FSDP2 (its params become `Shard(0)`
     DTensors: the 3-row head splits 2 + 1, unevenly), and the root, as torchtitan wraps a model. `shard_head=False`
-    leaves the head plain (replicated, its grads averaged by hand as DDP would): a model mixing DTensor and plain params."""
+    leaves the head plain (replicated, its grads averaged by hand as DDP would): a model mixing DTensor and plain params.
+    `mesh`: FSDP2's device mesh (a 2-D one: HSDP, `(Replicate(), Shard(0))`)."""
     from torch.distributed.fsdp import fully_shard
     model = make()
-    fully_shard(model[0])
+    fully_shard(model[0], mesh=mesh)
     if shard_head:
-        fully_shard(model[2])
-        fully_shard(model)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model
 
 
@@ -200,7 +201,8 @@ def lowbit_grads(step: int, shapes: dict) -> dict:
 
 
 def train_lowbit(rank: int, world: int, runs: list, steps: int, lr: float) -> dict:
-    """Adam with each `(state_precision, backend)` of `runs` on FSDP2's shards of `lowbit_model`, `steps` steps of
+    """Adam with each `(state_precision, backend, hsdp)` of `runs` on FSDP2's shards of `lowbit_model` (`hsdp`: on a
+    (1, world) mesh, its params `(Replicate(), Shard(0))`), `steps` steps of
     `lowbit_grads` (each rank given its shards of them: the one-process reference gets the very same numbers, where
     FSDP2's reduction of a batch's grads would round them otherwise): the full params, the state as a checkpoint holds
     it (whole tensors' parts, gathered), the state dequantized, and what this rank stores: each param's state sizes,
@@ -208,15 +210,18 @@ def train_lowbit(rank: int, world: int, runs: list, steps: int, lr: float) -> di
     from cbopt.core.dtensor import shard_like
     from cbopt.state.lowbit import blocks_line_up
     out = {}
-    for prec, be in runs:
-        model = fsdp_model(make=D.lowbit_model)
+    from torch.distributed.device_mesh import init_device_mesh
+    for prec, be, hsdp in runs:
+        mesh = init_device_mesh('cpu', (1, world), mesh_dim_names=('replicate', 'shard')) if hsdp else None
+        model = fsdp_model(make=D.lowbit_model, mesh=mesh)
         opt = make_lowbit_opt(model.named_parameters(), prec, be, lr)
         named = dict(model.named_parameters())
         for i in range(steps):
             for n, g in lowbit_grads(i, {n: p.shape for n, p in named.items()}).items(): named[n].grad = shard_like(g, named[n])
             opt.step()
             opt.zero_grad()
-        out[(prec, str(be))] = {
+        out[(prec, str(be), hsdp)] = {
+            'placements': str(model[0].weight.placements),
             'params': full(model), 'state': D.whole(opt.named_state_dict()),
             'dequantized': D.whole(opt.named_state_dict(dequantize=True)),
             'stored': {n: {k: v.numel() for k, v in opt.state[p].items() if torch.is_tensor(v) and type(v) is torch.Tensor}

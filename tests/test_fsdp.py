@@ -149,17 +149,19 @@ def test_low_bit_state_on_shards_equals_one_process():
     rows of 6 x 128 and of 256), so there the params, codes and absmax are one process's, bit for bit. Whether a param
     is quantized is decided on the whole tensor: the head's weight (768 elements, `min_quantize_size=768`) is, though
     its shards (512 and 256) are smaller. The first bias in 8-bit (its 2 shards of 128: half a block each) is
-    quantized in each shard's blocks, so it steps as one process stepping its 2 halves as params of their own."""
-    runs = [('8bit', 'foreach'), ('4bit', 'loop')]
+    quantized in each shard's blocks, so it steps as one process stepping its 2 halves as params of their own. The
+    same on HSDP's 2-D mesh (its params `(Replicate(), Shard(0))`)."""
+    runs = [('8bit', 'foreach', False), ('4bit', 'loop', False), ('8bit', 'loop', True)]
     ranks = D.spawn(F.train_lowbit, runs, STEPS, LR)
-    for prec, be in runs:
+    for prec, be, hsdp in runs:
         split = (F.MISALIGNED,) if prec == '8bit' else ()
         ref, ref_opt = one_process_lowbit(prec, be, split)
         ref_state = ref_opt.named_state_dict()['state']
         ref_deq = ref_opt.named_state_dict(dequantize=True)['state']
         block = cbopt.state.lowbit.FORMATS[prec].block
         for r, res in enumerate(ranks):
-            got = res[(prec, be)]
+            got = res[(prec, be, hsdp)]
+            assert got['placements'] == ('(Replicate(), Shard(dim=0))' if hsdp else '(Shard(dim=0),)')
             assert {n: got['line_up'][n] for n in ('0.weight', '0.bias', '2.weight')} == {
                 '0.weight': True, '0.bias': not split, '2.weight': True}, got['line_up']
             rows = [128, 2 if r == 0 else 1]  # this rank's rows of 0.weight and 2.weight

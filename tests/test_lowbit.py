@@ -439,15 +439,16 @@ def test_every_case_steps_and_resumes_in_8bit(c):
 
 def test_dtensor_params_step_save_and_load_as_plain_ones(one_rank_mesh):
     """A param sharded as a DTensor (here on a mesh of this process alone: FSDP2 on 2 ranks is tests/test_fsdp.py) steps
-    as the plain param does, bit for bit, in every format; its checkpoint holds the whole tensor's parts as DTensors
+    as the plain param does, bit for bit, in every format (and compiled: `fused`); its checkpoint holds the whole tensor's parts as DTensors
     (what DCP reshards), which load into a plain optimizer, and a plain optimizer's into it, to the same state."""
     from conftest import sharded
     torch.manual_seed(0)
     w0, grads = torch.randn(96, 64), [torch.randn(96, 64) for _ in range(3)]
-    for prec in PRECISIONS:
+    fused = cbopt.Backend('fused', compiler='aot_eager')  # (on DTensors: the chain compiled on the shard)
+    for prec, backend in [(p, 'foreach') for p in PRECISIONS] + [('8bit', fused)]:
         plain, dt = nn.Parameter(w0.clone()), nn.Parameter(sharded(one_rank_mesh, w0.clone()))
         make = lambda w: cbopt.Optimizer([('w', w)], adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
-                                         state_precision=prec)
+                                         state_precision=prec, backend=backend)
         opts = [make(plain), make(dt)]
         for i, g in enumerate(grads):
             for w, o in zip((plain, dt), opts):
