@@ -196,3 +196,32 @@ def test_tensor_lr_on_the_device_is_never_read(make):
         opt = make(ps, torch.tensor(1e-3, device='cuda'))
         syncs, where = steps(opt, ps, log)
         assert not syncs, where
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_compiled_chain_on_cuda_asks_for_combo_kernels_and_runs_float64_state_foreach(monkeypatch):
+    """The fused backend on a GPU: the compiled chain asks inductor for combo kernels (one kernel for a call's params,
+    `cbopt._torch.GPU_INDUCTOR_OPTIONS`; the CPU's options do not have them), and a chain keeping 0-d float64 state
+    (schedule-free AdamW, which a GPU run found the compiled chain computes wrongly) runs foreach, warning once.
+    (torch.compile recorded and the chain run as it is: fake tensors do not compile.)"""
+    from cbopt.engine import compiled
+    seen = []
+    def compile_(fn, backend, fullgraph, options):
+        seen.append(options)
+        return fn
+    monkeypatch.setattr(torch, 'compile', compile_)
+    monkeypatch.setattr(compiled, '_COMPILED', {})
+    with fake_cuda() as (log, kernels):
+        ps = cuda_params()
+        steps(cbopt.Lion(ps, 1e-3, backend='fused'), ps, log)
+        assert seen and all(o['combo_kernels'] is True for o in seen)
+        seen.clear()
+        with pytest.warns(UserWarning, match='0-d float64 state on a GPU') as w:
+            steps(cbopt.ScheduleFreeAdamW(ps, 1e-3, backend='fused').train(), ps, log)
+        assert not seen and len([x for x in w if '0-d float64' in str(x.message)]) == 1
+    cpu = [torch.nn.Parameter(torch.ones(3))]
+    opt = cbopt.Lion(cpu, 1e-3, backend='fused')
+    for _ in range(2):
+        cpu[0].grad = torch.ones(3)
+        opt.step()
+    assert seen and 'combo_kernels' not in seen[-1]

@@ -32,7 +32,7 @@ from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chu
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
-__all__ = ['device_failed', 'compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
+__all__ = ['float64_scalars_on_gpu', 'device_failed', 'compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
 
 
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
@@ -80,9 +80,17 @@ def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | Non
         # dynamic shapes come from `compiled_bucket`'s config patch, once per bucket: `dynamic=True` would patch the
         # config again at every call
         # (`scalars_once_pass` is None where this torch cannot run it: then each scalar is computed in its own barrier)
-        options = inductor_options(scalars_once_pass()) if compiler == 'inductor' else None
+        options = inductor_options(scalars_once_pass(), p0.device.type) if compiler == 'inductor' else None
         _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, options=options)
     return _COMPILED[key]
+
+
+def float64_scalars_on_gpu(b: Bucket) -> bool:
+    """Whether `b`'s params are on an accelerator and their state holds 0-d float64 tensors (schedule-free's weight
+    sums, NAdam's `mu_product`). An H200 run (torch 2.11) found the compiled schedule-free AdamW 0.05 off the CPU loop
+    after 20 steps where foreach follows it to 1e-7: until a GPU run finds the cause, such chains run foreach there."""
+    return b.params[0].device.type != 'cpu' and any(
+        isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64 for v in b.states[0].values())
 
 
 def device_failed(e: BaseException) -> bool:
@@ -127,8 +135,8 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
     with ExitStack() as settings:
         try:  # an unknown setting or option raises here, before any chunk is touched: the whole bucket is handed back
             settings.enter_context(compile_config(duck_shapes=not flat))  # flat: every size its own symbol
-            if options.compiler == 'inductor' and b.params[0].dtype in (torch.bfloat16, torch.float16):
-                settings.enter_context(emulated_casts())  # 16-bit: each op rounds as in eager (kahan_sum needs it)
+            if options.compiler == 'inductor':  # each 16-bit op rounds as in eager: 16-bit params (kahan_sum needs
+                settings.enter_context(emulated_casts())  # it) and 16-bit math in fp32 chains (Muon's bf16 iteration)
             fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for all runs)
         except Exception as e: raise CompileFailed(e, b) from e
         for j, idx in enumerate(chunks):
@@ -166,6 +174,10 @@ def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     rt, layout = runtime(opt), b.layout
     if is_dtensor(b.params[0]) and chain_scope(b.cbs) != 'element':
         return foreach_bucket(opt, b, hyper)  # (not compiled: see the module docstring)
+    if float64_scalars_on_gpu(b):
+        warn_once(opt, ('compile-f64', layout), "the compiled chain keeps 0-d float64 state on a GPU, which a GPU run "
+                  "found it computes wrongly (schedule-free AdamW, docs/guides/cuda.md): running it with foreach")
+        return foreach_bucket(opt, b, hyper)
     if layout in rt.no_compile or layout not in rt.seen:
         ran_bucketwise = foreach_bucket(opt, b, hyper)
         rt.seen.add(layout)
