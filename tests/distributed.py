@@ -401,7 +401,12 @@ def wrapped(kind: str, model: nn.Module) -> nn.Module:
 
 def whole(sd: dict) -> dict:
     "A named_state_dict with every DTensor gathered into its whole tensor (a collective: every rank calls it)."
-    full = lambda v: v.full_tensor() if hasattr(v, 'full_tensor') else v
+    from cbopt.core.dtensor import as_like
+    def full(v):
+        if not hasattr(v, 'full_tensor'): return v
+        if v.dtype == torch.float8_e4m3fn:  # (fp8 codes: gathered as their bytes, gloo has no float8)
+            return as_like(v.to_local().view(torch.uint8), v).full_tensor().view(v.dtype)
+        return v.full_tensor()
     return {**sd, 'state': {n: {k: full(v) for k, v in s.items()} for n, s in sd['state'].items()}}
 
 

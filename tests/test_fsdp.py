@@ -144,21 +144,21 @@ def one_process_lowbit(prec: str, backend, split: tuple = (), steps: int = STEPS
 
 
 def test_low_bit_state_on_shards_equals_one_process():
-    """8-bit and 4-bit Adam on FSDP2 (2 ranks), given the same grads as one process: each rank quantizes its shard in
+    """8-bit, 4-bit and fp8 Adam on FSDP2 (2 ranks), given the same grads as one process: each rank quantizes its shard in
     blocks of its own, which are the whole tensor's blocks where shards start on a block boundary (both weights: their
     rows of 6 x 128 and of 256), so there the params, codes and absmax are one process's, bit for bit. Whether a param
     is quantized is decided on the whole tensor: the head's weight (768 elements, `min_quantize_size=768`) is, though
-    its shards (512 and 256) are smaller. The first bias in 8-bit (its 2 shards of 128: half a block each) is
+    its shards (512 and 256) are smaller. The first bias in 8-bit and fp8 (its 2 shards of 128: half a block each) is
     quantized in each shard's blocks, so it steps as one process stepping its 2 halves as params of their own. The
     same on HSDP's 2-D mesh (its params `(Replicate(), Shard(0))`)."""
-    runs = [('8bit', 'foreach', False), ('4bit', 'loop', False), ('8bit', 'loop', True)]
+    runs = [('8bit', 'foreach', False), ('4bit', 'loop', False), ('fp8', 'foreach', False), ('8bit', 'loop', True)]
     ranks = D.spawn(F.train_lowbit, runs, STEPS, LR)
     for prec, be, hsdp in runs:
-        split = (F.MISALIGNED,) if prec == '8bit' else ()
+        f = cbopt.state.lowbit.FORMATS[prec]
+        split = (F.MISALIGNED,) if f.block == 256 else ()  # (8-bit and fp8; 4-bit's blocks are 128)
         ref, ref_opt = one_process_lowbit(prec, be, split)
         ref_state = ref_opt.named_state_dict()['state']
         ref_deq = ref_opt.named_state_dict(dequantize=True)['state']
-        block = cbopt.state.lowbit.FORMATS[prec].block
         for r, res in enumerate(ranks):
             got = res[(prec, be, hsdp)]
             assert got['placements'] == ('(Replicate(), Shard(dim=0))' if hsdp else '(Shard(dim=0),)')
@@ -167,8 +167,8 @@ def test_low_bit_state_on_shards_equals_one_process():
             rows = [128, 2 if r == 0 else 1]  # this rank's rows of 0.weight and 2.weight
             for n, numel in (('0.weight', rows[0] * 6), ('2.weight', rows[1] * 256), ('0.bias', 128)):
                 stored = got['stored'][n]  # this rank's shard, in whole blocks of its own
-                assert stored['grad_avg.absmax'] == -(-numel // block), (prec, r, n, stored)
-                assert stored['grad_avg.codes'] == stored['grad_avg.absmax'] * block // (2 if prec == '4bit' else 1)
+                assert stored[f'grad_avg.{f.scale_key}'] == -(-numel // f.block), (prec, r, n, stored)
+                assert stored['grad_avg.codes'] == stored[f'grad_avg.{f.scale_key}'] * f.block // f.per_byte
             assert 'grad_avg' in got['state']['state']['2.bias']  # (3 elements: fp32)
             for n, p in ref.items(): assert torch.equal(got['params'][n], p), (prec, r, n)
             for n, s in ref_state.items():

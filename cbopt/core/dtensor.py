@@ -21,7 +21,7 @@ import torch
 from .chain import cb_name, chain_scope, unwrap
 
 __all__ = ['is_dtensor', 'local', 'local_param', 'layout_key', 'as_like', 'on_whole', 'global_value', 'across_shards', 'any_across_shards',
-           'dim0_shards', 'row_spans', 'shard_like', 'gather_pieces', 'PartialNumberError', 'refusing_partial_numbers']
+           'dim0_shards', 'row_spans', 'shard_like', 'concat_shards', 'PartialNumberError', 'refusing_partial_numbers']
 
 
 def _dtensor_module():
@@ -123,15 +123,22 @@ def row_spans(rows: int, n: int) -> list[tuple[int, int]]:
     return [(min(r * size, rows), max(0, min(rows, (r + 1) * size) - min(r * size, rows))) for r in range(n)]
 
 
-def gather_pieces(piece: torch.Tensor, like, size: int) -> torch.Tensor:
-    """Every shard's 1-D `piece` (this rank's; at most `size` elements, padded to it), gathered over the ranks that
-    shard dim 0 of the DTensor `like`: an `(n, size)` tensor, row `i` shard `i`'s (a collective: every rank calls it).
-    For pieces whose sizes follow no chunk rule (low-bit state's codes of uneven shards)."""
-    n, _ = dim0_shards(like)
+def concat_shards(piece: torch.Tensor, like, sizes: list[int]) -> torch.Tensor:
+    """The 1-D tensor whose part on shard `i` of dim 0 of the DTensor `like` is `sizes[i]` elements (this rank's:
+    `piece`, 1-D), end to end, laid out as `like` is on dim 0 (a DTensor of `sum(sizes)` elements, each rank keeping
+    its `torch.chunk` share). Where `sizes` are that share already, `piece` is it, with no communication; else the
+    pieces are gathered and split anew (a collective: every rank calls it). For pieces whose sizes follow another rule
+    than the chunk rule (low-bit state's codes of a shard: its own blocks)."""
+    n, me = dim0_shards(like)
+    total = sum(sizes)
+    dt = _dtensor_module().DTensor
+    if [c for _, c in row_spans(total, n)] == list(sizes):
+        return dt.from_local(piece, like.device_mesh, like.placements, run_check=False, shape=(total,), stride=(1,))
+    size = max(sizes)
     padded = torch.nn.functional.pad(piece, (0, size - piece.numel())) if piece.numel() < size else piece
-    whole = _dtensor_module().DTensor.from_local(padded, like.device_mesh, like.placements, run_check=False,
-                                                 shape=(n * size,), stride=(1,))
-    return whole.full_tensor().view(n, size)
+    every = dt.from_local(padded, like.device_mesh, like.placements, run_check=False, shape=(n * size,), stride=(1,))
+    every = every.full_tensor().view(n, size)
+    return shard_like(torch.cat([every[r, :c] for r, c in enumerate(sizes)]), like)
 
 
 class PartialNumberError(RuntimeError):

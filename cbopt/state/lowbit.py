@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..core.chain import cached, param_chain
-from ..core.dtensor import as_like, dim0_shards, gather_pieces, global_value, is_dtensor, local, row_spans, shard_like
+from ..core.dtensor import as_like, concat_shards, dim0_shards, global_value, is_dtensor, local, row_spans, shard_like
 from ..core.quant import FORMATS, bf16_stochastic, dequantize, n_blocks, quantize
 from ..core.runtime import param_states
 from ..core.spec import spec
@@ -185,7 +185,7 @@ class Packed(NamedTuple):
 
     def dequantized(self, signed: bool, p: torch.Tensor) -> torch.Tensor:
         "The whole entry in fp32 (`p`'s dtype), laid out as `p` is (a DTensor's parts gathered first: a collective)."
-        codes, scale = global_value(self.codes), global_value(self.scale)
+        codes, scale = _whole(self.codes), _whole(self.scale)
         whole = dequantize(codes.to(p.device), scale.to(p.device, torch.float32), self.fmt, signed, p.numel(), p.dtype)
         return shard_like(whole.view(p.shape), p)
 
@@ -263,8 +263,8 @@ def load_entry(value: Any, like: Any, p: torch.Tensor, plan: Mapping, key: str, 
         mine = plan.get(key)
         if mine is not None and mine[0] == value.fmt:
             if is_dtensor(p): return value._replace(**dict(zip(('codes', 'scale'), _shard_parts(value, p, mine[1]))))
-            return value._replace(codes=global_value(value.codes).to(p.device, copy=True),
-                                  scale=global_value(value.scale).to(p.device, torch.float32, copy=True))
+            return value._replace(codes=_whole(value.codes).to(p.device, copy=True),
+                                  scale=_whole(value.scale).to(p.device, torch.float32, copy=True))
         if key not in kinds:
             raise ValueError(f"state {key!r} is stored quantized in the state_dict, but this chain declares no kind "
                              "for it (cb.state_kinds): cannot tell its map")
@@ -286,6 +286,15 @@ def stored(st: dict, p: torch.Tensor, plan: Mapping) -> dict:
 
 
 # -- params sharded by FSDP2 ---------------------------------------------------------------------------------------
+def _whole(t: Any) -> Any:
+    """A checkpoint's part whole: a DTensor gathered (a collective), fp8 codes as their bytes (collectives have no
+    float8 type: gloo refuses it); anything else as it is."""
+    if not is_dtensor(t): return t
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return as_like(t.to_local().view(torch.uint8), t).full_tensor().view(t.dtype)
+    return t.full_tensor()
+
+
 def _spans(p: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
     """Where each shard of `p` (a DTensor sharded on dim 0) lies in the whole flattened tensor, `(offset, numel)` per
     shard, and which shard is this rank's."""
@@ -312,8 +321,8 @@ def _shard_parts(value: Packed, p: torch.Tensor, signed: bool) -> tuple[torch.Te
     is gathered, a collective): its blocks where they line up (`blocks_line_up`: bit for bit), else its shard of the
     dequantized entry quantized anew in its own blocks."""
     f, (spans, me) = FORMATS[value.fmt], _spans(p)
-    codes = global_value(value.codes).to(p.device)
-    scale = global_value(value.scale).to(p.device, torch.float32)
+    codes = _whole(value.codes).to(p.device)
+    scale = _whole(value.scale).to(p.device, torch.float32)
     o, n = spans[me]
     if n and blocks_line_up(p, value.fmt):
         nb = n_blocks(n, f.block)
@@ -328,9 +337,10 @@ def whole_parts(st: Mapping, p: torch.Tensor, group: Mapping) -> Mapping:
     entries are this rank's shard's blocks (plain tensors), each entry's parts as one process stores the whole
     tensor's (`'<entry>.codes'` of `codes_numel(p.numel())`, a scale per block), laid out as DTensors sharded on dim 0:
     a checkpoint that does not depend on how many ranks saved it, so DCP loads it on any number (one process
-    included). Gathered from every rank's codes where the blocks line up (`blocks_line_up`: exactly what one process
-    holds after the same steps), else quantized anew from the gathered fp32 entry in the whole tensor's blocks (a
-    rounding of its own). A collective: every rank calls it, for the same params in the same order."""
+    included). Where the blocks line up (`blocks_line_up`), the ranks' codes and scales end to end: exactly what one
+    process holds after the same steps (`concat_shards`: gathered only where a rank's codes are not its
+    `torch.chunk` share of the whole's); else quantized anew from the gathered fp32 entry in the whole tensor's
+    blocks (a rounding of its own). A collective: every rank calls it, for the same params in the same order."""
     plan = param_plan(group, p)
     if not is_dtensor(p) or not plan: return st
     out = dict(st)
@@ -339,17 +349,15 @@ def whole_parts(st: Mapping, p: torch.Tensor, group: Mapping) -> Mapping:
         if fmt == 'bf16' or f'{k}.codes' not in st: continue
         f = FORMATS[fmt]
         codes, scale = st[f'{k}.codes'], st[f'{k}.{f.scale_key}']
-        if blocks_line_up(p, fmt):
-            sizes = [(f.codes_numel(n), n_blocks(n, f.block)) if n else (0, 0) for _, n in spans]
-            most_codes, most_blocks = max(c for c, _ in sizes), max(b for _, b in sizes)
+        if blocks_line_up(p, fmt):  # the whole tensor's parts are the ranks' put end to end
             mine = spans[me][1] > 0  # (an empty shard's one block of zeros is no part of the whole)
-            all_codes = gather_pieces(codes.view(torch.uint8) if mine else codes.new_zeros(0, dtype=torch.uint8), p, most_codes)
-            all_scale = gather_pieces(scale if mine else scale.new_zeros(0), p, most_blocks)
-            whole_codes = torch.cat([all_codes[r, :c] for r, (c, _) in enumerate(sizes)]).view(f.codes_dtype)
-            whole_scale = torch.cat([all_scale[r, :b] for r, (_, b) in enumerate(sizes)])
-        else:
-            entry = dequantize(codes, scale, fmt, signed, lp.numel()).view(lp.shape)
-            whole_codes, whole_scale = quantize(as_like(entry, p).full_tensor(), fmt, signed)
+            codes, scale = (codes, scale) if mine else (codes[:0], scale[:0])
+            out[f'{k}.codes'] = concat_shards(codes.view(torch.uint8), p, [f.codes_numel(n) if n else 0 for _, n in spans]
+                                              ).view(f.codes_dtype)
+            out[f'{k}.{f.scale_key}'] = concat_shards(scale, p, [n_blocks(n, f.block) if n else 0 for _, n in spans])
+            continue
+        entry = dequantize(codes, scale, fmt, signed, lp.numel()).view(lp.shape)
+        whole_codes, whole_scale = quantize(as_like(entry, p).full_tensor(), fmt, signed)
         out[f'{k}.codes'], out[f'{k}.{f.scale_key}'] = shard_like(whole_codes, p), shard_like(whole_scale, p)
     return out
 
