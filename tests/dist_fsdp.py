@@ -206,7 +206,7 @@ def train_lowbit(rank: int, world: int, runs: list, steps: int, lr: float) -> di
     `lowbit_grads` (each rank given its shards of them: the one-process reference gets the very same numbers, where
     FSDP2's reduction of a batch's grads would round them otherwise): the full params, the state as a checkpoint holds
     it (whole tensors' parts, gathered), the state dequantized, and what this rank stores: each param's state sizes,
-    whether its blocks line up with the whole tensor's."""
+    whether its blocks line up with the whole tensor's; and what it stores once its checkpoint is loaded back."""
     from cbopt.core.dtensor import shard_like
     from cbopt.state.lowbit import blocks_line_up
     out = {}
@@ -224,7 +224,13 @@ def train_lowbit(rank: int, world: int, runs: list, steps: int, lr: float) -> di
             'placements': str(model[0].weight.placements),
             'params': full(model), 'state': D.whole(opt.named_state_dict()),
             'dequantized': D.whole(opt.named_state_dict(dequantize=True)),
-            'stored': {n: {k: v.numel() for k, v in opt.state[p].items() if torch.is_tensor(v) and type(v) is torch.Tensor}
-                       for n, p in named.items()},
-            'line_up': {n: blocks_line_up(p, prec) for n, p in named.items()}}
+            'stored': stored_parts(opt, named), 'line_up': {n: blocks_line_up(p, prec) for n, p in named.items()}}
+        again = make_lowbit_opt(model.named_parameters(), prec, be, lr)  # its checkpoint, loaded back on these ranks
+        again.load_state_dict(opt.state_dict())
+        out[(prec, str(be), hsdp)]['reloaded'] = stored_parts(again, named)
     return out
+
+
+def stored_parts(opt: cbopt.Optimizer, named: dict) -> dict:
+    "The low-bit parts this rank stores for each param (plain tensors: its shard's blocks), copied."
+    return {n: {k: v.clone() for k, v in opt.state[p].items() if type(v) is torch.Tensor} for n, p in named.items()}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cbopt
+from cbopt.core import quant
 import dist_fsdp as F
 import distributed as D
 from cases import CASES, case
@@ -150,7 +151,9 @@ def test_low_bit_state_on_shards_equals_one_process():
     is quantized is decided on the whole tensor: the head's weight (768 elements, `min_quantize_size=768`) is, though
     its shards (512 and 256) are smaller. The first bias in 8-bit and fp8 (its 2 shards of 128: half a block each) is
     quantized in each shard's blocks, so it steps as one process stepping its 2 halves as params of their own. The
-    same on HSDP's 2-D mesh (its params `(Replicate(), Shard(0))`)."""
+    same on HSDP's 2-D mesh (its params `(Replicate(), Shard(0))`). A checkpoint (`state_dict()`: the whole tensors'
+    parts) loaded back gives each rank the same blocks where they line up, and elsewhere its part of the whole entry
+    quantized anew in its own blocks."""
     runs = [('8bit', 'foreach', False), ('4bit', 'loop', False), ('fp8', 'foreach', False), ('8bit', 'loop', True)]
     ranks = D.spawn(F.train_lowbit, runs, STEPS, LR)
     for prec, be, hsdp in runs:
@@ -166,7 +169,7 @@ def test_low_bit_state_on_shards_equals_one_process():
                 '0.weight': True, '0.bias': not split, '2.weight': True}, got['line_up']
             rows = [128, 2 if r == 0 else 1]  # this rank's rows of 0.weight and 2.weight
             for n, numel in (('0.weight', rows[0] * 6), ('2.weight', rows[1] * 256), ('0.bias', 128)):
-                stored = got['stored'][n]  # this rank's shard, in whole blocks of its own
+                stored = {k: v.numel() for k, v in got['stored'][n].items()}  # this rank's shard, in whole blocks of its own
                 assert stored[f'grad_avg.{f.scale_key}'] == -(-numel // f.block), (prec, r, n, stored)
                 assert stored['grad_avg.codes'] == stored[f'grad_avg.{f.scale_key}'] * f.block // f.per_byte
             assert 'grad_avg' in got['state']['state']['2.bias']  # (3 elements: fp32)
@@ -178,3 +181,17 @@ def test_low_bit_state_on_shards_equals_one_process():
             for n in split:  # its 2 halves' states, end to end
                 for k in ('grad_avg', 'sqr_avg'):
                     assert torch.equal(got['dequantized']['state'][n][k], torch.cat([ref_deq[f'{n}#{i}'][k] for i in range(2)]))
+            # its checkpoint loaded back: the same blocks where they line up; elsewhere (the split bias) the checkpoint
+            # holds the fp32 entry quantized in the whole tensor's blocks, and each rank quantizes its part of that anew
+            for n, parts in got['reloaded'].items():
+                if n not in split:
+                    assert all(torch.equal(v, got['stored'][n][k]) for k, v in parts.items()) and parts.keys() == got['stored'][n].keys(), (prec, r, n)
+                    continue
+                whole, full_state = got['dequantized']['state'][n], got['state']['state'][n]
+                for k, signed in (('grad_avg', True), ('sqr_avg', False)):
+                    saved = quant.quantize(whole[k], prec, signed)
+                    assert torch.equal(full_state[f'{k}.codes'].view(torch.uint8), saved[0].view(torch.uint8))
+                    assert torch.equal(full_state[f'{k}.{f.scale_key}'], saved[1])
+                    mine = quant.quantize(quant.dequantize(*saved, prec, signed, whole[k].numel())[r * 128:(r + 1) * 128], prec, signed)
+                    assert torch.equal(parts[f'{k}.codes'].view(torch.uint8), mine[0].view(torch.uint8)), (prec, r, n, k)
+                    assert torch.equal(parts[f'{k}.{f.scale_key}'], mine[1]), (prec, r, n, k)
