@@ -344,3 +344,66 @@ def test_real_state_of_a_complex_param_is_kept_as_it_is(backend) -> None:
         opt.step(); torch_opt.step()
     assert opt.state[p]['n'].dtype == torch.float64 and opt.state[p]['n'].item() == 3
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
+
+
+# -- param groups alike share buckets ----------------------------------------------------------------------------------
+def _one_group_each(model, **hypers) -> list[dict]:
+    return [{'params': [p], **hypers} for p in model.parameters()]
+
+
+@pytest.mark.parametrize('backend', ['foreach', 'fused', 'auto'])
+def test_groups_alike_share_a_bucket_and_split_where_their_hypers_differ(backend, monkeypatch) -> None:
+    """One group per param, all with the same chain and hypers: their params share buckets (one kernel call per step
+    where torch's optimizers make one per group), and step as the loop steps them. When a scheduler gives one group
+    another lr, the next steps run each group's own bucket (with its own lr), and still follow the loop; equal lrs
+    again: one call again, the plan unchanged throughout."""
+    calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda *a, **k: calls.append(len(a[0])) or kernel(*a, **k))
+    model, twin = make_model(), make_model()
+    opt = cbopt.Adam(_one_group_each(model), lr=0.01, wd=0.1, backend=backend)
+    ref = cbopt.Adam(_one_group_each(twin), lr=0.01, wd=0.1, backend='loop')
+    for i in range(3):
+        set_grads(model, i), set_grads(twin, i)
+        opt.step(), ref.step()
+        assert_rel_close(model, twin, rtol=1e-6, msg=f'step {i}')
+    bs = assert_as_made_afresh(opt)
+    assert [len(b.params) for b in bs] == [4] and [[id(q.group) for q in b.parts] for b in bs] == \
+        [[id(g) for g in opt.param_groups]]
+    kept = plan(opt)
+    if backend != 'foreach': assert calls == [4, 4]  # (the first step creates the state: the chain runs it)
+    for lrs in ([0.01, 0.02, 0.01, 0.01], [0.01] * 4):
+        calls.clear()
+        for o in (opt, ref):
+            for g, lr in zip(o.param_groups, lrs): g['lr'] = lr
+        for i in range(3, 6):
+            set_grads(model, i), set_grads(twin, i)
+            opt.step(), ref.step()
+            assert_rel_close(model, twin, rtol=1e-6, msg=f'lrs {lrs} step {i}')
+        assert plan(opt) is kept
+        if backend != 'foreach': assert calls == ([1, 1, 1, 1] if len(set(lrs)) > 1 else [4]) * 3
+
+
+def test_groups_share_buckets_only_with_the_same_chain_and_entries() -> None:
+    """Groups share buckets when they hold the same callbacks and equal entries: another lr, another chain, a tensor
+    lr of their own (tensors are the same only as one object: their values change in place) keep theirs apart."""
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(6)]
+    lr = torch.tensor(0.01)
+    opt = cbopt.Adam([{'params': ps[:1]}, {'params': ps[1:2]}, {'params': ps[2:3], 'lr': 0.02},
+                      {'params': ps[3:4], 'lr': lr}, {'params': ps[4:5], 'lr': lr},
+                      {'params': ps[5:], 'lr': torch.tensor(0.01)}], lr=0.01)
+    for p in ps: p.grad = torch.ones(3)
+    assert [b.params for b in bucketing.buckets(opt)] == [ps[:2], ps[2:3], ps[3:5], ps[5:]]
+    same = cbopt.Optimizer([{'params': ps[:1]}, {'params': ps[1:2], 'cbs': [cbopt.sgd_step]}], [cbopt.sgd_step], lr=0.1)
+    assert len(bucketing.buckets(same)) == 1  # (the same callbacks, listed by another list)
+    other = cbopt.Optimizer([{'params': ps[:1]}, {'params': ps[1:2], 'cbs': [cbopt.weight_decay, cbopt.sgd_step]}],
+                            [cbopt.sgd_step], lr=0.1)
+    assert len(bucketing.buckets(other)) == 2
+    g0, g1 = opt.param_groups[:2]
+    shared = bucketing.buckets(opt)[0]
+    snaps = {id(g): cbopt.core.hypers.Hypers(g).snapshot() for g in opt.param_groups}
+    assert bucketing.runs(shared, snaps) == (shared,)
+    scale, other_scale = torch.tensor(0.5), torch.tensor(0.5)
+    assert bucketing.runs(shared, snaps, {id(g0): (scale, False), id(g1): (scale, False)}) == (shared,)
+    assert bucketing.runs(shared, snaps, {id(g0): (scale, False), id(g1): (other_scale, False)}) == shared.parts
+    assert bucketing.runs(shared, snaps, {id(g0): (scale, False)}) == shared.parts  # (one group clipped alone)

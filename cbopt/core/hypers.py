@@ -331,11 +331,19 @@ class Hypers(MutableMapping):
         g = self.group
         if isinstance(g, TorchParamGroup): out = g.hyper_snapshot()
         else:
-            hypers = _hyper_keys(tuple(g))
-            out = {k: v for k, v in g.items() if k in hypers}
-        for k, v in out.items():
-            if isinstance(v, torch.Tensor) and v.ndim: out[k] = v.view(())
+            keys = tuple(g)
+            if (hypers := _KEYS.get(keys)) is None:
+                hypers = _hyper_keys(keys)
+                if len(_KEYS) < 256 and not torch.compiler.is_compiling(): _KEYS[keys] = hypers
+            out = {k: v for k, v in (dict.items(g) if isinstance(g, dict) else g.items()) if k in hypers}  # (held entries)
+        if not _PLAIN.issuperset(map(type, out.values())):  # (one C-level test per group and step where none is a tensor)
+            for k, v in out.items():
+                if isinstance(v, torch.Tensor) and v.ndim: out[k] = v.view(())
         return out
+
+
+_KEYS: dict = {}  # a group's keys -> its hypers' (`_hyper_keys`), read at every step and group without a call
+_PLAIN = frozenset({int, float, bool, str, type(None), tuple})  # hyper values a snapshot gives as they are
 
 
 @cached(maxsize=256)

@@ -1,14 +1,18 @@
 """Buckets: the params with a grad, split into groups that one call of a chain can serve.
 
-A bucket's params share their group (so their chain and hypers), device, dtype, flags, the keys of their tensor
-state and the values of their Python state (a step count is one number for the whole call). A bucket's state is each
-param's own `opt.state[p]` dict, viewed as `TensorList`s while the chain runs, so state_dicts are the same whatever
-the backend, and a checkpoint saved under one resumes under any other.
+A bucket's params share their chain and hypers, device, dtype, flags, the keys of their tensor state and the values
+of their Python state (a step count is one number for the whole call). Params of several param groups share a bucket
+when the groups hold the same callbacks and equal entries (`sharing_key`: a model with one group per layer or per
+tensor, all alike, steps in as few calls as one with a single group, where torch's optimizers call their kernels once
+per group); such a bucket keeps its groups' own buckets (`parts`), which a step runs instead when the groups' hypers
+differ at that step (`runs`: a scheduler that set one group's lr). A bucket's state is each param's own
+`opt.state[p]` dict, viewed as `TensorList`s while the chain runs, so state_dicts are the same whatever the backend,
+and a checkpoint saved under one resumes under any other.
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import compress
 from operator import attrgetter, is_, itemgetter
@@ -19,11 +23,12 @@ import torch
 from .._torch import metadata_guard
 from ..core.chain import chain_scope, param_chain
 from ..core.dtensor import layout_key
+from ..core.hypers import is_model_entry
 from ..core.tensorlist import TensorList
 from ..core.runtime import param_states, runtime
 
 __all__ = ['give_grad', 'Bucket', 'buckets', 'planned_buckets', 'BucketPlan', 'grad_is_odd', 'is_sparse', 'SPARSE', 'WithSparse', 'stand_in', 'bucket_state', 'write_state',
-           'cache_chunks', 'model_buckets', 'as_real']
+           'sharing_key', 'runs', 'cache_chunks', 'model_buckets', 'as_real']
 
 
 def give_grad(q: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -35,13 +40,16 @@ def give_grad(q: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 
 class Bucket(NamedTuple):
-    "Params that one call of the chain can serve: same group, device, dtype, flags, Python state and state keys."
+    """Params that one call of the chain can serve: same chain and hypers, device, dtype, flags, Python state and state
+    keys. `group` is the first of their groups; a bucket of several groups' params lists each group's own bucket in
+    `parts` (the params in order, group by group), which a step runs where the groups' hypers differ (`runs`)."""
     group: dict
     params: list
     states: list  # each param's own `opt.state[p]` dict
     # what runners found out about the bucket's layout (`kernels.kernel_step`), kept while `BucketPlan` finds the
     # bucket unchanged; None for a bucket made for one step
     known: dict | None = None
+    parts: tuple = ()  # the groups' own buckets, for a bucket of several groups' params; () for a bucket of one group
 
     @property
     def cbs(self) -> list:
@@ -91,29 +99,102 @@ def is_sparse(b: Bucket) -> bool:
     return b.params[0].grad.is_sparse
 
 
+_SCALARS = frozenset({int, float, bool, str, type(None)})  # group values compared by type and value
+
+
+def _frozen(v: Any) -> Hashable:
+    "A group entry, hashable: plain values by type and value, a tensor by identity, sequences of such (else TypeError)."
+    t = type(v)
+    if t in _SCALARS: return t, v
+    if isinstance(v, torch.Tensor): return torch.Tensor, id(v)
+    if t is tuple or t is list: return t, tuple(map(_frozen, v))
+    raise TypeError(t)
+
+
+def sharing_key(g: dict) -> Hashable | None:
+    """What two param groups whose params may share buckets have in common: the same callbacks (objects) and equal
+    entries (tensors: the same objects), their params, names and whole-model callbacks' state aside; None for a group
+    whose params keep buckets of their own (low-bit state, an entry of another kind). Equal hypers now are checked
+    again at every step (`runs`)."""
+    if g.get('state_precision', 'fp32') != 'fp32': return None
+    try: return (tuple(map(id, g['cbs'])),
+                 tuple([(k, _frozen(v)) for k, v in g.items() if k not in _OWN_ENTRIES and not is_model_entry(k)]))
+    except TypeError: return None
+
+
+_OWN_ENTRIES = ('params', 'param_names', 'chain', 'cbs')  # (the chain: compared as `g['cbs']`, by its callbacks)
+
+
+def _same(a: Any, b: Any) -> bool:
+    "Two hyper values one call may use either of: the same object, or equal plain values of one type (sequences too)."
+    if a is b: return True
+    t = type(a)
+    if t is not type(b) or isinstance(a, torch.Tensor): return False
+    if t is tuple or t is list: return len(a) == len(b) and all(map(_same, a, b))
+    try: return bool(a == b)
+    except Exception: return False  # (a value whose comparison fails: not the same)
+
+
+def _same_hypers(a: Mapping, b: Mapping) -> bool:
+    "Whether two groups' hypers for a step (`Hypers.snapshot`) are the same (`_same`): one C-level test when all are plain."
+    if a is b: return True
+    types = tuple(map(type, a.values()))
+    if len(a) != len(b) or types != tuple(map(type, b.values())): return False
+    if _SCALARS.issuperset(types): return a == b
+    return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+
+
+def runs(b: Bucket, snapshots: Mapping, scales: Mapping | None = None) -> Sequence[Bucket]:
+    """What a step runs for bucket `b`: `b` itself, or, where its params come from several groups (`b.parts`) whose
+    hypers for this step (`snapshots`: id(group) -> hypers) or grad scales (`scales`, id(group) -> (tensor, in_place),
+    from a whole-model callback) differ, each group's own bucket. The check costs a comparison of two dicts per group."""
+    parts = b.parts
+    if not parts: return (b,)
+    s0 = snapshots[id(b.group)]
+    if not all(_same_hypers(snapshots[id(q.group)], s0) for q in parts): return parts
+    if scales:
+        c0 = scales.get(id(b.group))
+        for q in parts:
+            c = scales.get(id(q.group))
+            if c is not c0 and (c is None or c0 is None or c[0] is not c0[0] or c[1] != c0[1]): return parts
+    return (b,)
+
+
 def _keyed_buckets(opt, on_odd_grad: Callable | None = None) -> dict:
-    "`buckets`, by their keys."
-    out, state = {}, param_states(opt)
+    "`buckets`, by their keys (a group's first sharer's index stands for the group: `sharing_key`)."
+    out, spans, state = {}, {}, param_states(opt)
+    first: dict = {}
     for gi, g in enumerate(opt.param_groups):
         by_rank = chain_scope(g['cbs']) == 'tensor'  # such a chain may keep state by rank (`chain.declared_for`)
+        share = sharing_key(g)
+        ci = gi if share is None else first.setdefault(share, gi)
         for p in g['params']:
             if p.grad is None: continue
             odd = on_odd_grad is not None and grad_is_odd(p)
             if odd: on_odd_grad(opt)
             st = state[p]
-            key = _bucket_key(gi, p, st, by_rank)
+            key = _bucket_key(ci, p, st, by_rank)
             if odd and p.grad.is_sparse: key += (SPARSE,)  # (a key of 7: the plan is made again at each step)
             try: b = out.get(key)
             except TypeError: key, b = (gi, id(p)), None  # an unhashable Python state value: a bucket of its own
-            if b is None: b = out[key] = Bucket(g, [], [])
+            if b is None:
+                b = out[key] = Bucket(g, [], [])
+                spans[key] = [(g, 0)]
+            elif spans[key][-1][0] is not g: spans[key].append((g, len(b.params)))
             b.params.append(p)
             b.states.append(st)
+    for key, span in spans.items():
+        if len(span) > 1:
+            b = out[key]
+            ends = [i for _, i in span[1:]] + [len(b.params)]
+            out[key] = b._replace(parts=tuple(Bucket(g, b.params[i:j], b.states[i:j]) for (g, i), j in zip(span, ends)))
     return out
 
 
 def buckets(opt) -> list[Bucket]:
-    """The params of `opt` with a grad, grouped by (group, device, dtype, Python-valued state and flags, state keys;
-    rank, for a chain that reduces over whole params; mesh and placements, for params sharded as DTensors)."""
+    """The params of `opt` with a grad, grouped by (group, or groups alike: `sharing_key`; device, dtype, Python-valued
+    state and flags, state keys; rank, for a chain that reduces over whole params; mesh and placements, for params
+    sharded as DTensors)."""
     return list(_keyed_buckets(opt).values())
 
 
@@ -132,10 +213,11 @@ class BucketPlan:
 
     def __init__(self, opt, on_odd_grad: Callable | None = None):
         keyed = _keyed_buckets(opt, on_odd_grad)
-        self.buckets = [Bucket(b.group, b.params, b.states, {}) for b in keyed.values()]
+        self.buckets = [Bucket(b.group, b.params, b.states, {}, tuple(q._replace(known={}) for q in b.parts))
+                        for b in keyed.values()]
         self.keys = list(keyed)
-        per_group = Counter(k[0] for k in self.keys)  # buckets that could merge: those of a group with several (one
-        self.mergeable = [i for i, k in enumerate(self.keys) if per_group[k[0]] > 1]  # param group per layer: none)
+        per_group = Counter(k[0] for k in self.keys)  # buckets that could merge: those of a group (or of groups alike)
+        self.mergeable = [i for i, k in enumerate(self.keys) if per_group[k[0]] > 1]  # with several
         self.state = param_states(opt)
         self.groups = [(g, list(g['params']), tuple(g['cbs']), list(map(type, map(_GRAD, g['params']))))
                        for g in opt.param_groups]

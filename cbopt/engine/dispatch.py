@@ -124,8 +124,8 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
     if type(buckets) is bucketing.WithSparse: run = _sparse_aware(run)
     if kind == 'fused': _check_fused_devices(buckets)
-    for whole in buckets:
-        hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
+    for whole in (q for b in buckets for q in bucketing.runs(b, snapshots, scales)):  # (a bucket of groups alike,
+        hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))  # or theirs)
         for c in lowbit_chunks(opt, whole):  # (low-bit state: each chunk's as fp32 tensors while it runs)
             with as_real(c) as b:  # complex params step as torch's do: on their real views
                 if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto') and not (
@@ -145,7 +145,7 @@ def _run_group_backends(opt, snapshots: Mapping, kinds: Mapping, check: bool, sc
     kind = opt.backend_options.kind
     buckets = bucketing.planned_buckets(opt, on_odd_grad=check_grads if check else None)
     sparse = type(buckets) is bucketing.WithSparse
-    for whole in buckets:
+    for whole in (q for b in buckets for q in (b.parts or (b,))):  # (each group's own bucket: each has its runner)
         own = 'loop' if sparse and bucketing.is_sparse(whole) else kinds.get(id(whole.group), kind)
         if own == 'fused': _check_fused_devices([whole])
         hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
@@ -182,7 +182,7 @@ def kernel_step_on_device(opt, snapshots: Mapping, found_inf: torch.Tensor, loss
     if type(buckets) is bucketing.WithSparse: return False  # (sparse grads step in the loop runner)
     if opt.backend_options.kind == 'fused': _check_fused_devices(buckets)
     runs = []
-    for b in buckets:
+    for b in (q for b in buckets for q in bucketing.runs(b, snapshots)):
         if b.params[0].is_complex(): return False  # (a bucket has one dtype)
         if (run := torch_kernel(b, snapshots[id(b.group)], loss_scale=loss_scale, found_inf=found_inf)) is None:
             return False

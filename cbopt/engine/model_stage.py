@@ -26,8 +26,12 @@ def model_plan(groups: list) -> tuple[list, list]:
     which order, a checkpoint could not tell."""
     pre: dict = {}
     post: dict = {}
+    splits: dict = {}  # id(chain) -> its split: groups alike share one chain (a group per layer: one split)
     for g in groups:
-        before, _, after = split_chain(g['cbs'])
+        chain = g['cbs']
+        if (split := splits.get(id(chain))) is None: split = splits[id(chain)] = split_chain(chain)
+        before, _, after = split
+        if not (before or after): continue
         for where, cbs in ((pre, before), (post, after)):
             for cb in cbs: where.setdefault(_cb_sig(cb), (cb, []))[1].append(g)
     for cb, listing in [*pre.values(), *post.values()]:

@@ -64,7 +64,7 @@ def _eager_run(opt, closure: Callable | None = None, loss=None) -> None:
                            "numbers, which every replay of the graph would reuse unchanged (silently wrong steps); step "
                            "it eagerly, or under torch.compile without CUDA graphs")
     for i, g in enumerate(opt.param_groups):  # schedule-free's rule: a group in eval mode must not step
-        if g.get('train_mode') is False and any(p.grad is not None for p in g['params']):
+        if dict.get(g, 'train_mode') is False and any(p.grad is not None for p in g['params']):
             raise RuntimeError(f"param group {i} is in eval mode (its params are the averaged weights): call "
                                "opt.train() before opt.step(), and opt.eval() before evaluating or saving")
     found_inf, loss_scale = getattr(opt, 'found_inf', None), getattr(opt, 'grad_scale', None)  # GradScaler's
