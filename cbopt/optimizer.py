@@ -105,6 +105,8 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, cbs: Callable | Iterable[Callable], backend: str | Backend = 'auto',
                  state_precision: str = 'fp32', min_quantize_size: int = MIN_QUANTIZE_SIZE, **defaults):
         self.backend_options = as_backend(backend)  # how `step` runs the chains: see cbopt.engine
+        if (given := _PREBUILT_LOWBIT.get()) is not None and (state_precision, min_quantize_size) == ('fp32', MIN_QUANTIZE_SIZE):
+            state_precision, min_quantize_size = given  # (a prebuilt's `state_precision=`: `takes_state_precision`)
         check_settings(state_precision, min_quantize_size)
         # low-bit state (cbopt.state.lowbit): the group entries exist where some group asks for it, so an fp32
         # optimizer's groups and checkpoints are as they were
@@ -546,20 +548,25 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     return res
 
 
+_PREBUILT_LOWBIT: contextvars.ContextVar = contextvars.ContextVar('cbopt_prebuilt_lowbit', default=None)
+
+
 def takes_state_precision(factory: Callable) -> Callable:
     """A prebuilt optimizer's factory (or a `cbopt.optim` class's `__init__`) that also takes `state_precision=` and
-    `min_quantize_size=` (keyword-only; see `Optimizer` and `cbopt.state.lowbit`), applied to the optimizer it builds
-    (`Optimizer.set_state_precision`), so every prebuilt offers low-bit state without repeating it in each signature."""
+    `min_quantize_size=` (keyword-only; see `Optimizer` and `cbopt.state.lowbit`), so every prebuilt offers low-bit
+    state without repeating it in each signature. They are the defaults of the `Optimizer` the factory builds (read
+    by its `__init__` while the factory runs), so a group dict's own `'state_precision'` or `'min_quantize_size'`
+    overrides them there, as with `Optimizer(..., state_precision=)`."""
     sig = inspect.signature(factory)
     if 'state_precision' in sig.parameters: return factory
     @functools.wraps(factory)
     def with_state_precision(*args, state_precision: str = 'fp32', min_quantize_size: int = MIN_QUANTIZE_SIZE, **kwargs):
         check_settings(state_precision, min_quantize_size)
-        out = factory(*args, **kwargs)
-        opt = args[0] if out is None and args and isinstance(args[0], Optimizer) else out  # (an `__init__`: self)
-        if state_precision != 'fp32' or min_quantize_size != MIN_QUANTIZE_SIZE:
-            opt.set_state_precision(state_precision, min_quantize_size)
-        return out
+        given = (state_precision, min_quantize_size)
+        if given == ('fp32', MIN_QUANTIZE_SIZE) and _PREBUILT_LOWBIT.get() is not None: return factory(*args, **kwargs)
+        token = _PREBUILT_LOWBIT.set(given)  # (a prebuilt built by another, cbopt.optim's by fastai's: the outer's)
+        try: return factory(*args, **kwargs)
+        finally: _PREBUILT_LOWBIT.reset(token)
     params = list(sig.parameters.values())
     extra = [inspect.Parameter('state_precision', inspect.Parameter.KEYWORD_ONLY, default='fp32', annotation='str'),
              inspect.Parameter('min_quantize_size', inspect.Parameter.KEYWORD_ONLY, default=MIN_QUANTIZE_SIZE,

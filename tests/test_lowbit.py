@@ -289,6 +289,23 @@ def test_group_override_and_settings_shown_and_checked():
     assert 'state_precision' not in fp.param_groups[0]  # an fp32 optimizer's groups are as they were
 
 
+@pytest.mark.parametrize('make', [cbopt.Adam, cbopt.Lion, cbopt.optim.AdamW], ids=['Adam', 'Lion', 'optim.AdamW'])
+def test_a_group_overrides_a_prebuilt_optimizers_setting(make):
+    "A group dict's own 'state_precision' and 'min_quantize_size' override a prebuilt's keywords, as `Optimizer`'s."
+    m = _model()
+    opt = make([{'params': [m[0].weight], 'state_precision': 'fp32'}, {'params': [m[0].bias], 'min_quantize_size': 1},
+                {'params': list(m[2].parameters())}], lr=1e-3, state_precision='8bit', min_quantize_size=64)
+    assert [(g['state_precision'], g['min_quantize_size']) for g in opt.param_groups] == \
+        [('fp32', 64), ('8bit', 1), ('8bit', 64)]
+    assert opt.defaults['state_precision'] == '8bit'
+    _train(opt, m, 2)
+    assert not any(k.endswith('.codes') for k in opt.state[m[0].weight])  # kept fp32, as its group asks
+    assert any(k.endswith('.codes') for k in opt.state[m[0].bias])  # 96 elements, quantized from 1 up
+    assert any(k.endswith('.codes') for k in opt.state[m[2].weight]) == (m[2].weight.numel() >= 64)
+    plain = make(m.parameters(), lr=1e-3)
+    assert 'state_precision' not in plain.param_groups[0]  # (and the setting does not leak into the next one built)
+
+
 # -- checkpoints ------------------------------------------------------------------------------------------------------
 def _saved(sd):
     buf = io.BytesIO()
