@@ -201,3 +201,36 @@ def test_tree_paths_fallback_is_torchs(monkeypatch):
     got = got_rebuild([t * 2 for t in got_leaves])
     assert type(got['a'][0]) is Pair and type(got['a'][1]) is tuple
     assert all(torch.equal(_torch.tree_get(got, p), _torch.tree_get(want, p)) for p in paths)
+
+
+def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
+    """Inside `trusted_cpu_isa`, inductor takes the ISAs the CPU reports (`cpp.vec_isa_ok`): no test program is built.
+    The list it makes there is dropped after (with each ISA class's kept answer), so the process's other compiles probe
+    as they would have; a list made before is kept, and a user's own `vec_isa_ok` is never overridden."""
+    import functools
+    import torch._inductor.config as config
+    from torch._inductor import cpu_vec_isa
+    seen = []
+
+    @functools.cache
+    def listed():  # a stand-in for inductor's list: what `vec_isa_ok` it was made with
+        seen.append(config.cpp.vec_isa_ok)
+        return []
+
+    class KeptAnswer:
+        @functools.cache
+        def __bool__(self): return True
+
+    monkeypatch.setattr(cpu_vec_isa, 'valid_vec_isa_list', listed)
+    monkeypatch.setattr(cpu_vec_isa, 'KeptAnswer', KeptAnswer, raising=False)
+    monkeypatch.setattr(config.cpp, 'vec_isa_ok', None)
+    with _torch.trusted_cpu_isa():
+        listed(), bool(KeptAnswer())
+        assert config.cpp.vec_isa_ok is True
+    assert seen == [True] and config.cpp.vec_isa_ok is None
+    assert listed.cache_info().currsize == 0 and KeptAnswer.__bool__.cache_info().currsize == 0  # dropped
+    listed()  # made outside: kept through the block
+    with _torch.trusted_cpu_isa(): listed()
+    assert seen == [True, None] and listed.cache_info().currsize == 1
+    monkeypatch.setattr(config.cpp, 'vec_isa_ok', False)  # the user's (TORCHINDUCTOR_VEC_ISA_OK=0)
+    with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False

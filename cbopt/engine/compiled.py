@@ -23,7 +23,7 @@ from contextlib import ExitStack
 
 import torch
 
-from .._torch import compile_config, emulated_casts, inductor_options
+from .._torch import compile_config, emulated_casts, inductor_options, trusted_cpu_isa
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
@@ -137,6 +137,7 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
             settings.enter_context(compile_config(duck_shapes=not flat))  # flat: every size its own symbol
             if options.compiler == 'inductor':  # each 16-bit op rounds as in eager: 16-bit params (kahan_sum needs
                 settings.enter_context(emulated_casts())  # it) and 16-bit math in fp32 chains (Muon's bf16 iteration)
+                if b.params[0].device.type == 'cpu': settings.enter_context(trusted_cpu_isa())  # (no ISA test builds)
             fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for all runs)
         except Exception as e: raise CompileFailed(e, b) from e
         for j, idx in enumerate(chunks):
