@@ -7,7 +7,7 @@ import torch
 
 import cbopt
 from cbopt.engine import Backend
-from conftest import count_calls, NO_COMPILE_FALLBACK, sharded
+from conftest import count_calls, make_model, NO_COMPILE_FALLBACK, set_grads, sharded
 
 pytestmark = NO_COMPILE_FALLBACK
 
@@ -93,3 +93,30 @@ def test_auto_scales_the_grads_inside_torchs_kernel(monkeypatch) -> None:
         assert opt.step_stats['grad_norm'] > 0.05  # (it clipped)
         assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), given))
     assert len(calls) == 2 and real is not torch._foreach_mul
+
+
+@pytest.mark.parametrize('grouped', [False, True], ids=['one group', 'a group per param'])
+def test_auto_runs_what_fused_runs_where_torch_has_the_kernel(grouped, monkeypatch) -> None:
+    """Where torch's kernel computes the chain (the bench's Adam cases: one group, or one per param, alike), auto
+    knows it is the fastest there is and makes fused's kernel calls, on the same params, no trial timed after the
+    first step (which creates the state, with the chain), and steps bit for bit as fused does."""
+    from cbopt.core.runtime import runtime
+    calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, '_fused_adamw_', lambda ps, *a, **k: calls.append([id(p) for p in ps]) or kernel(ps, *a, **k))
+    runs = {}
+    for backend in ('auto', 'fused'):
+        model = make_model()
+        params = [{'params': [p]} for p in model.parameters()] if grouped else model.parameters()
+        opt = cbopt.Adam(params, lr=0.01, wd=0.1, backend=backend)
+        calls.clear()
+        for i in range(4):
+            set_grads(model, i)
+            opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        runs[backend] = ([[names[i] for i in c] for c in calls], [p.detach().clone() for p in model.parameters()],
+                         runtime(opt).auto_times)
+    (auto_calls, auto_params, times), (fused_calls, fused_params, _) = runs['auto'], runs['fused']
+    assert auto_calls == fused_calls == [['0.weight', '0.bias', '2.weight', '2.bias']] * 3
+    assert all(torch.equal(a, f) for a, f in zip(auto_params, fused_params))
+    assert sum(len(t) for v in times.values() for t in v.values()) == 1  # (the first step's only)

@@ -1,6 +1,7 @@
 """The `auto` runner's policy, per bucket layout:
 1. torch's fused kernel when one computes exactly this chain (cbopt's AdamW, L2 Adam, SGD, Adagrad on fp32/fp64,
-   and on CUDA bf16/fp16 too): the fastest there is;
+   and on CUDA bf16/fp16 too): the fastest there is, so auto makes fused's very calls (the bench's Adam cases, 1
+   thread: a 28-tensor tiny model 0.25x the loop's step, 1,000 one-param groups 0.5x torch's fused AdamW);
 2. on an accelerator, foreach: one kernel launch per op for the bucket instead of one per param. An assumption, not
    yet measured on a GPU (where a chain with per-param Python, Rprop's or Lamb's, launches several kernels per param,
    the compiled chain may win): `python -m cbopt bench --device cuda` is to decide it (docs/guides/cuda.md);
@@ -10,7 +11,8 @@
    depends on the chain. Both are exact, so trying each costs nothing in results. Params sharded as DTensors
    (FSDP2) run foreach, as on an accelerator: a choice by timing could differ between ranks, and a chain reducing
    across ranks (a norm) must make its collectives in the same order on every rank.
-The compiled chain is never picked: its first compile costs seconds to a minute; ask for `backend='fused'`.
+The compiled chain is never picked: its first compile costs seconds to a minute; ask for `backend='fused'` (on an
+elementwise chain without a kernel, Lion's, it steps GPT-2 small's params about 2.5x faster than foreach or loop).
 """
 from __future__ import annotations
 
