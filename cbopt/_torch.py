@@ -48,6 +48,10 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   function mode sees it, for `cbopt.functional`.
 - `torch._dynamo.utils.counters` (`dynamo_counters`; 2.0): what dynamo and inductor counted (graphs, FX-graph
   cache hits), for `python -m cbopt bench`'s first-compile report. Missing: empty counts.
+- `torch._dynamo.mark_static_address(t, guard=True)` (`static_address`; 2.1): the traced step's params and state
+  tensors kept in its graph with an identity guard each, as torch's compiled optimizers keep theirs
+  (`engine/traced.py`): the compiled call then neither checks their metadata nor takes them as arguments. Missing:
+  the same graph, its tensors guarded and passed as inputs (slower calls).
 - `torch.optim.lbfgs._strong_wolfe` (`strong_wolfe`; 1.2): torch's strong-Wolfe line search, which `lbfgs` reuses.
   Missing: `line_search_fn='strong_wolfe'` is refused with a clear error before the step changes anything; without
   a line search L-BFGS works as before.
@@ -72,7 +76,7 @@ __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'c
            'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
-           'data_getter', 'dynamo_counters', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'static_address', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -314,6 +318,18 @@ def data_getter() -> Any:
     "The `.data` getter of tensors, the object a torch function mode gets as `func` when a callback reads `p.data`."
     base = getattr(torch._C, 'TensorBase', None) or getattr(torch._C, '_TensorBase')
     return base.__dict__['data']
+
+
+def static_address(t: torch.Tensor) -> None:
+    """Mark `t` as `torch._dynamo.mark_static_address(t, guard=True)` does (what torch's compiled optimizers do to their
+    params and state): dynamo keeps it in the graph it traces and guards its identity alone, not its metadata, and
+    the compiled call takes no argument for it. Called while dynamo traces, so dynamo is loaded."""
+    try: from torch._dynamo import mark_static_address
+    except ImportError:
+        warn_fallback('static_address', "this torch has no torch._dynamo.mark_static_address: a compiled step guards "
+                      "each param's and state tensor's metadata at every call")
+        return
+    mark_static_address(t, guard=True)
 
 
 def dynamo_counters() -> Mapping:

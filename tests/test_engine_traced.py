@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import cbopt
+from cbopt.core.chain import zeros
 from conftest import assert_tensors_close, NO_COMPILE_FALLBACK, sharded
 
 pytestmark = NO_COMPILE_FALLBACK
@@ -103,7 +104,7 @@ def test_compiled_step_matches_eager_and_torch(name):
         eager, _ = run(theirs, lr, compiled=False)
         assert_tensors_close(list(model.parameters()), list(eager.parameters()), msg=f'{name} vs torch')
         # torch's compiled step keeps its count as a float32 tensor (its bias corrections in float32): 3e-6 from its
-        # eager step here, where cbopt's counts are float64
+        # eager step here, where cbopt computes its bias corrections in float64 (from float32 counts, as eager mode)
         assert_tensors_close(list(model.parameters()), list(compiled.parameters()), rtol=1e-5, msg=f'{name} vs torch compiled')
 
 
@@ -122,8 +123,8 @@ def test_no_graph_break_inside_a_function():
 
 
 def test_step_count_and_grads_under_compile():
-    """A compiled step keeps the counts as 0-d tensors (inputs of the graph, as torch's `step`), saves them as numbers,
-    leaves the user's grads as they were (L2 decay rebinds the grad the chain sees), and alternates with eager steps
+    """A compiled step keeps the counts as torch keeps its `step`: 0-d float32 tensors it adds 1 to in place (the same
+    tensor after the step), saves them as numbers, leaves the user's grads as they were (L2 decay rebinds the grad the chain sees), and alternates with eager steps
     without a recompile; a checkpoint loads both ways."""
     torch._dynamo.reset()
     counters.clear()
@@ -131,6 +132,7 @@ def test_step_count_and_grads_under_compile():
     opt = cbopt.optim.Adam(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
     ref = cbopt.optim.Adam(ref_model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
     step = torch.compile(lambda: opt.step(), backend='aot_eager', fullgraph=True)
+    counts = None
     for i in range(9):
         x = torch.randn(8, 5)
         for m in (model, ref_model): m(x).pow(2).mean().backward()
@@ -139,10 +141,18 @@ def test_step_count_and_grads_under_compile():
         ref.step()
         for p, (g, before) in zip(model.parameters(), grads): assert p.grad is g and torch.equal(g, before)
         for o in (opt, ref): o.zero_grad()
+        now = [cbopt.core.runtime.param_states(opt)[p]['step'] for p in model.parameters()]
+        if counts is not None: assert all(a is b for a, b in zip(now, counts))  # (updated in place, as torch's)
+        counts = now
     assert graphs() == 1
     assert_tensors_close(list(model.parameters()), list(ref_model.parameters()))
     count = cbopt.core.runtime.param_states(opt)[model[0].weight]['step']  # (the engine's count: opt.state shows torch's)
-    assert isinstance(count, torch.Tensor) and count.dtype == torch.float64 and count.item() == 9
+    theirs = torch.optim.Adam(_model().parameters())
+    for p in theirs.param_groups[0]['params']: p.grad = torch.ones_like(p)
+    torch.compile(theirs.step, backend='eager')()
+    torch_count = theirs.state[theirs.param_groups[0]['params'][0]]['step']
+    assert isinstance(count, torch.Tensor) and count.dtype == torch_count.dtype == torch.float32 and count.item() == 9
+    assert count.ndim == torch_count.ndim == 0 and count.device == torch_count.device
     shown = opt.state[model[0].weight]['step']
     assert shown.dtype == torch.float32 and shown.device.type == 'cpu' and shown.item() == 9
     sd = opt.state_dict(format='cbopt')
@@ -226,7 +236,7 @@ def _refusing(case: str, mesh=None):
 
 def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
     """What dynamo traces (`can_trace`, then `traced_step`), run eagerly: per param, each group with its own lr, as
-    torch's Adam over 4 steps (a param without a grad left alone); the counts become 0-d float64 tensors, and an
+    torch's Adam over 4 steps (a param without a grad left alone); the counts become 0-d float32 tensors, as torch's, and an
     eager step after it goes on from them."""
     from cbopt.engine import traced
     ps, opt = _two_groups(lambda gs: cbopt.Adam(gs, sqr_mom=0.999, eps=1e-8, wd=0.1, decouple_wd=False, backend='loop'))
@@ -244,7 +254,7 @@ def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
         assert_tensors_close(ps, qs, msg=f'step {i}')
         if i < 4:
             steps = [opt.state[p]['step'] for p in ps[:3]]
-            assert all(s.dtype == torch.float64 and s.ndim == 0 and s.item() == i + 1 for s in steps), steps
+            assert all(s.dtype == torch.float32 and s.ndim == 0 and s.item() == i + 1 for s in steps), steps
     assert torch.equal(ps[3], untouched) and not opt.state[ps[3]]
     assert_tensors_close([opt.state[p]['sqr_avg'] for p in ps[:3]], [ref.state[q]['exp_avg_sq'] for q in qs[:3]])
 
@@ -253,7 +263,7 @@ def test_the_traced_step_run_eagerly_steps_as_torch() -> None:
 def test_can_trace_refuses_what_only_the_eager_step_does_and_changes_nothing(case, one_rank_mesh) -> None:
     """`can_trace` (run as dynamo traces a step) refuses a chain reading a Python value of a tensor, a whole-model
     callback, GradScaler's flags, a group in eval mode and DTensor params, and then changes nothing (no state, no
-    param moved); it accepts Adam and creates its state, the count a 0-d float64 tensor, without stepping."""
+    param moved); it accepts Adam and creates its state, the count a 0-d float32 tensor (as torch's), without stepping."""
     from cbopt.engine import traced
     if case == 'dtensor':
         ps = [torch.nn.Parameter(sharded(one_rank_mesh, torch.linspace(-1., 1., 6)))]
@@ -268,7 +278,7 @@ def test_can_trace_refuses_what_only_the_eager_step_does_and_changes_nothing(cas
     if case != 'adam': assert not any(opt.state[p] for p in ps)
     else:
         assert [sorted(opt.state[p]) for p in ps] == [['grad_avg', 'sqr_avg', 'step']] * 3 + [[]]
-        assert all(torch.equal(opt.state[p]['step'], torch.zeros((), dtype=torch.float64)) for p in ps[:3])
+        assert all(torch.equal(opt.state[p]['step'], torch.zeros((), dtype=torch.float32)) for p in ps[:3])
 
 
 def test_number_tensor_is_a_float64_count_on_the_params_device() -> None:
@@ -278,6 +288,16 @@ def test_number_tensor_is_a_float64_count_on_the_params_device() -> None:
     assert number_tensor(2 ** 53, torch.zeros(2)).item() == 2 ** 53
     x = torch.ones(())
     assert number_tensor(x, torch.zeros(2)) is x
+
+
+def test_count_tensor_is_torchs_step_on_the_params_device() -> None:
+    "A count as torch's compiled optimizers keep `step`: a 0-d float32 tensor on the param's device (a tensor kept)."
+    from cbopt.engine.traced import count_tensor
+    t = count_tensor(7, torch.zeros(2, device='meta'))
+    assert (t.dtype, t.device, t.shape) == (torch.float32, torch.device('meta'), torch.Size([]))
+    assert count_tensor(2 ** 24, torch.zeros(2)).item() == 2 ** 24
+    x = torch.ones((), dtype=torch.float64)
+    assert count_tensor(x, torch.zeros(2)) is x
 
 
 def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> None:
@@ -376,3 +396,32 @@ def test_optimizers_compiled_in_one_process_compile_as_alone():
             step()
     assert compiles == {name: 1 for name in CATALOGUE}
     assert opt.step.__code__ is not type(opt).step.hooked_fn.__code__  # (the last one's: its own code)
+
+
+def rebinding_momentum(p, lr, mom, buf=None, **kwargs):
+    "Momentum SGD whose callback returns a new buffer each step (no in-place update): a user's chain may."
+    buf = (torch.zeros_like(p.grad.data) if buf is None else buf) * mom + p.grad.data
+    p.data.sub_(buf * lr)
+    return {'buf': buf}
+rebinding_momentum.defaults, rebinding_momentum.state = dict(mom=0.9), dict(buf=zeros)
+
+
+def test_state_stays_the_same_tensors_and_a_rebound_entry_compiles_once():
+    """The traced step's params and state are kept static, guarded by identity, as torch's compiled optimizers keep
+    theirs: a callback returning a new buffer each step has it copied into the old one, so the step compiles once over
+    6 steps (fullgraph) and steps as the eager loop; every state tensor is the one the first step made."""
+    make = lambda ps, lr: cbopt.Optimizer(ps, [rebinding_momentum], lr=lr)
+    model, opt = run(make, torch.tensor(1e-2), steps=6, compiler='aot_eager')
+    assert graphs() == 1
+    ref, _ = run(lambda ps, lr: cbopt.Optimizer(ps, [rebinding_momentum], lr=lr, backend='loop'), torch.tensor(1e-2),
+                 steps=6, compiled=False)
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()))
+    torch._dynamo.reset()
+    model, opt = _model(), None
+    opt = cbopt.Adam(model.parameters(), lr=torch.tensor(1e-2))
+    step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    for p in model.parameters(): p.grad = torch.ones_like(p)
+    step()
+    first = {id(p): dict(opt.state[p]) for p in model.parameters()}
+    for _ in range(3): step()
+    assert all(opt.state[p][k] is v for p in model.parameters() for k, v in first[id(p)].items())

@@ -234,3 +234,32 @@ def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
     assert seen == [True, None] and listed.cache_info().currsize == 1
     monkeypatch.setattr(config.cpp, 'vec_isa_ok', False)  # the user's (TORCHINDUCTOR_VEC_ISA_OK=0)
     with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False
+
+
+def test_missing_static_address_compiles_the_step_with_its_tensors_as_inputs(monkeypatch):
+    """Without `torch._dynamo.mark_static_address`, a step compiled by an outer torch.compile keeps its params and
+    state as graph inputs (guarded by their metadata): one warning, the loop's params, one graph over 4 steps."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    monkeypatch.delattr(torch._dynamo, 'mark_static_address')
+    torch._dynamo.reset()
+    counters.clear()
+    m = make_model()
+    opt = cbopt.Adam(m.parameters(), lr=torch.tensor(1e-2))
+    step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        for i in range(STEPS):
+            m(torch.full((2, m[0].in_features), float(i + 1))).sum().backward()
+            step()
+            opt.zero_grad()
+    msgs = [str(w.message) for w in ws if 'mark_static_address' in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert counters['stats']['unique_graphs'] == 1
+    ref = make_model()
+    loop = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
+    for i in range(STEPS):
+        ref(torch.full((2, ref[0].in_features), float(i + 1))).sum().backward()
+        loop.step()
+        loop.zero_grad()
+    assert_rel_close(m, ref, rtol=1e-6)

@@ -6,9 +6,17 @@ one recompiles, as with torch's optimizers).
 How, in torch's way:
 - `prepare` runs when dynamo traces the step, not in the graph (as torch's `_init_group`, which dynamo calls at
   trace time): it creates the state of params about to take their first step, so the graph finds it, and keeps each
-  chain's Python counters (`step`) as 0-d float64 tensors in the state, as torch keeps its `step`, so that a new
-  count is a new value of the same input, not a new constant. The eager step reads them back as Python numbers for
-  its step (`counters_as_numbers`) and `state_dict` saves them as numbers: checkpoints do not change.
+  chain's Python counters (`step`) as 0-d float32 tensors in the state, as torch keeps its `step` (`count_tensor`),
+  so that a new count is a new value of the same tensor, not a new constant. The chain computes from float64 copies
+  of them made in the graph (its bias corrections as the eager step's, from Python numbers), and the new counts are
+  copied back into the same tensors, in place (`_wide_counts`), as torch's compiled step adds 1 to its `step`. The
+  eager step reads them back as Python numbers for its step (`counters_as_numbers`) and `state_dict` saves them as
+  numbers: checkpoints do not change. It also marks the params with a grad and their state tensors static, as
+  torch's compiled optimizers mark theirs (`_torch.static_address`): dynamo guards their identity alone and keeps them
+  in the graph, where it would check the metadata of each (and a few attributes each) at every call and pass each
+  as an argument; so a state entry the chain rebinds to a new tensor is copied into its old one instead (`_in_place`),
+  as torch's state is updated in place. The per-call cost left beside the kernels is then about torch's: a guard per
+  tensor and the grads passed in.
 - the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad
   that share a device, dtype and state layout), on `TensorList` stand-ins, as the `foreach` backend does: the graph
   holds one copy of the chain per bucket, of `torch._foreach_*` ops that inductor fuses horizontally (as torch's own
@@ -34,17 +42,18 @@ from typing import Any
 
 import torch
 
-from .._torch import constant_result
+from .._torch import constant_result, static_address
 from ..core.chain import (chain_counters, chain_scope, cb_name, is_cbopts, is_declared, is_model_cb, param_chain,
                           run_chain, transient_keys)
 from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
+from ..core.tensorlist import TensorList
 from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
 from .compiled import float64_0d_copies
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
 
-__all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'VALUE_READS', 'ValueRead']
+__all__ = ['can_trace', 'traced_step', 'prepare', 'counters_as_numbers', 'number_tensor', 'count_tensor', 'VALUE_READS', 'ValueRead']
 
 # what reads a Python value out of a tensor: a data-dependent branch when traced
 VALUE_READS = frozenset({torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
@@ -67,6 +76,15 @@ def number_tensor(v: Any, like: torch.Tensor) -> torch.Tensor:
     float64): exact for counts up to 2**53; a tensor is returned as it is."""
     if isinstance(v, torch.Tensor): return v
     return torch.tensor(v, dtype=torch.float32 if like.device.type == 'mps' else torch.float64, device=like.device)
+
+
+def count_tensor(v: Any, like: torch.Tensor) -> torch.Tensor:
+    """A chain's step count as torch keeps `state['step']`: a 0-d float32 tensor on `like`'s device (exact up to
+    2**24 steps, as torch's), which the traced step updates in place (`_wide_counts`); a tensor is returned as it is.
+    Not float64: dynamo takes a 0-d float64 input for one of its own tensorified Python floats, and guards each with a
+    Python `.item()` per call, and AOT autograd drops in-place updates of such inputs."""
+    if isinstance(v, torch.Tensor): return v
+    return torch.tensor(float(v), dtype=torch.float32, device=like.device)
 
 
 def groups(opt) -> list:
@@ -126,7 +144,11 @@ def prepare(opt) -> bool:
             for p in g['params']:
                 st = param_states(opt).get(p)
                 for k in counters:
-                    if st and isinstance(st.get(k), Number): st[k] = number_tensor(st[k], p)
+                    if st and isinstance(st.get(k), Number): st[k] = count_tensor(st[k], p)
+                if p.grad is None: continue
+                static_address(p)  # (as torch's compiled optimizers: identity guards, no inputs; see the module docstring)
+                for v in (st or {}).values():
+                    if _kept(v): static_address(v)
     opt.__dict__['_counters_are_tensors'] = True
     opt.__dict__['_traced_per_param'] = tuple(per_param)
     return True
@@ -162,17 +184,47 @@ def traced_step(opt) -> None:
         transient = transient_keys(cbs)
         states = [param_states(opt)[p] for p in todo]
         for st in states: st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
+        counters = chain_counters(cbs)
         if gi in per_param:
             with as_real(Bucket(g, todo, states)) as b:
-                for p, st in zip(b.params, b.states): run_param(cbs, p, st, hyper, transient)
+                for p, st in zip(b.params, b.states):
+                    before = dict(st)
+                    with _wide_counts(st, counters): run_param(cbs, p, st, hyper, transient)
+                    _in_place(before, st)
             continue
         for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor'):
             with torch.no_grad(), as_real(b) as b:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
                 p, state = stand_in(b), bucket_state(b)
                 before = dict(state)
-                run_chain(cbs, p, state, hyper)
+                with _wide_counts(state, counters): run_chain(cbs, p, state, hyper)
+                _in_place(before, state)
                 write_state(b, before, state, transient)
     opt.step_stats = {'lr': lrs, 'skipped': False}
+
+
+def _kept(t: Any) -> bool:
+    "Whether `t` is a state tensor `prepare` marks static (all but 0-d float64 ones, which the step hands copies of)."
+    return isinstance(t, torch.Tensor) and not (t.ndim == 0 and t.dtype == torch.float64)
+
+
+def _in_place(before: Mapping, after: dict) -> None:
+    """State entries the chain rebound to new tensors of the same shape, dtype and device, copied into the tensors they
+    had instead (in the graph), which stay the entries: `prepare` marks those static, as torch's compiled optimizers
+    mark their state (a new tensor there would fail its identity guard and compile the step again), and torch's
+    update theirs in place. For a param's dict, or a bucket's TensorLists."""
+    for k, new in after.items():
+        old = before.get(k)
+        if new is old: continue
+        if isinstance(old, TensorList) and isinstance(new, TensorList):
+            olds, news = list(old), list(new)
+            if len(olds) != len(news): continue
+            pairs = list(zip(olds, news))
+        elif isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor): pairs = [(old, new)]
+        else: continue
+        if not all(_kept(o) and isinstance(n, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype
+                   and o.device == n.device for o, n in pairs): continue
+        for o, n in pairs: o.copy_(n)
+        after[k] = old
 
 
 @constant_result
@@ -191,6 +243,31 @@ def _traced_buckets(g, params: list, states: list, by_rank: bool) -> list[Bucket
         b.params.append(p)
         b.states.append(st)
     return list(out.values())
+
+
+@contextmanager
+def _wide_counts(state: dict, counters: Mapping) -> Iterator[None]:
+    """The chain's counters in `state` (a param's tensors, or a bucket's TensorLists of them) handed to the chain as
+    float64 copies made in the graph (float32 on MPS), so that it computes from them (bias corrections) as the eager
+    step does from Python numbers; after the chain, each count's new value is copied back into the count's own tensor
+    in place (exact up to 2**24), as torch's compiled step adds 1 to its `step`: the graph writes its inputs and returns
+    nothing for them, and dynamo puts nothing back into the state dicts."""
+    counts = {}
+    for k in counters:
+        v = state.get(k)  # (no walrus in a comprehension: dynamo cannot trace its cell)
+        if isinstance(v, (torch.Tensor, TensorList)): counts[k] = v
+    for k, v in counts.items():
+        state[k] = TensorList([t.to(_wide(t)) for t in list(v)]) if isinstance(v, TensorList) else v.to(_wide(v))
+    yield
+    for k, v in counts.items():
+        if isinstance(v, TensorList):
+            for t, n in zip(list(v), list(state[k]), strict=True): t.copy_(n)
+        else: v.copy_(state[k])
+        state[k] = v
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.device.type == 'mps' else torch.float64
 
 
 @contextmanager
