@@ -199,6 +199,39 @@ def test_backends_agree(fmt):
             if k.endswith('.codes'): assert (st[k].view(torch.uint8).int() - st0[k].view(torch.uint8).int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize('fmt', ['8bit', '4bit', 'fp8'])
+def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
+    """After the first (eager) step, the fused backend dequantizes, steps and quantizes in its compiled graph: the
+    engine never unpacks the state to fp32 eagerly, no compile falls back, and params and codes follow the loop's
+    (sizes that are no multiple of the block: padded in the graph too)."""
+    import cbopt.engine.lowbit as engine_lowbit
+    unpacked = []
+    monkeypatch.setattr(engine_lowbit, 'unpack', lambda st, p, plan: (unpacked.append(p), lowbit.unpack(st, p, plan)))
+    out = {}
+    for backend in ('loop', 'fused'):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 101), nn.ReLU(), nn.Linear(101, 70))
+        opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                              state_precision=fmt, backend=cbopt.Backend(backend, compiler='aot_eager'))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')  # (a chain that did not compile warns)
+            _train(opt, m, 1)
+            unpacked.clear()
+            _train(opt, m, 3, seed=2)
+        out[backend] = m, opt, len(unpacked)
+    (m0, o0, n0), (m, o, n) = out['loop'], out['fused']
+    assert n0 > 0 and n == 0  # (the loop unpacks at every step)
+    for p0, p in zip(m0.parameters(), m.parameters()): torch.testing.assert_close(p, p0, rtol=1e-6, atol=1e-7)
+    for w0, w in ((m0[0].weight, m[0].weight), (m0[2].weight, m[2].weight)):
+        st0, st = o0.state[w0], o.state[w]
+        assert list(st) == list(st0) and all(getattr(st[k], 'shape', 0) == getattr(st0[k], 'shape', 0) for k in st0)
+        for k in st0:
+            if k.endswith('.codes'):
+                nibbles = (lambda c: torch.stack([c >> 4, c & 15])) if fmt == '4bit' else (lambda c: c)
+                a, b = (nibbles(c.view(torch.uint8)).int() for c in (st[k], st0[k]))
+                assert (a - b).abs().max() <= 1
+
+
 def test_memory_and_state_bytes():
     "8-bit Adam state is about 2 bytes per param of the quantized ones (plus one fp32 absmax per 256)."
     m = _model()

@@ -52,8 +52,9 @@ _TINY = 1e-12     # a block of zeros is scaled by this, not 0 (torchao's and bit
 
 
 def n_blocks(numel: int, block: int) -> int:
-    "How many blocks of `block` elements hold `numel` elements, the last one padded."
-    return max(1, math.ceil(numel / block))
+    """How many blocks of `block` elements hold `numel` elements, the last one padded. In integers (and `sym_max`),
+    so that a compiled step keeps a symbolic size symbolic."""
+    return torch.sym_max(1, (numel + block - 1) // block)
 
 
 def dynamic_map(signed: bool, exponent_bits: int = 7, total_bits: int = 8) -> list[float]:
@@ -99,7 +100,8 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     "`x` flattened in fp32, padded with zeros to whole blocks, as a (blocks, block) matrix."
     flat = x.detach().reshape(-1).float()
     pad = n_blocks(flat.numel(), block) * block - flat.numel()
-    if pad: flat = torch.nn.functional.pad(flat, (0, pad))
+    if torch.compiler.is_compiling() or pad:  # (compiled: always padded, as a test of a size specialises the graph)
+        flat = torch.nn.functional.pad(flat, (0, pad))
     return flat.view(-1, block)
 
 
@@ -178,7 +180,8 @@ def nearest_codes(x: torch.Tensor, fmt: str, signed: bool, in_place: bool = Fals
 def quantize(x: torch.Tensor, fmt: str, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (any shape, any float dtype) in the block-wise format `fmt`: `(codes, scale)`, 1-D, padded to whole blocks
     (`FORMATS[fmt].codes_numel(x.numel())` codes, one fp32 scale per block: the block's absmax, or absmax / 448 for
-    fp8). `signed`: the map for values of any sign, else for non-negative ones (8/4-bit)."""
+    fp8). `signed`: the map for values of any sign, else for non-negative ones (8/4-bit). Traceable by
+    `torch.compile` with dynamic sizes (the fused backend quantizes in its graph: `cbopt.engine.lowbit`)."""
     f = FORMATS[fmt]
     blocks = _blocks(x, f.block)
     lo, hi = torch.aminmax(blocks, dim=1)  # (the absmax without a copy of the blocks' absolute values)
@@ -186,7 +189,8 @@ def quantize(x: torch.Tensor, fmt: str, signed: bool = True) -> tuple[torch.Tens
     if fmt == 'fp8':
         scale = absmax / _FP8_MAX
         return (blocks / scale[:, None]).to(f.codes_dtype).view(-1), scale
-    codes = nearest_codes(blocks / absmax[:, None], fmt, signed, in_place=True).view(-1)
+    compiling = torch.compiler.is_compiling()  # (in a compiled step: out-of-place ops, fused by inductor)
+    codes = nearest_codes(blocks / absmax[:, None], fmt, signed, in_place=not compiling).view(-1)
     if fmt == '4bit': codes = (codes[::2] << 4) | codes[1::2]
     return codes, absmax
 
@@ -199,7 +203,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool,
     else:
         if fmt == '4bit': codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
         values = qmap(fmt, signed, codes.device).index_select(0, codes.int())  # (index_select: a fast gather)
-    return values.view(-1, f.block).mul_(scale[:, None]).view(-1)[:numel].to(dtype)
+    # (`scale.numel()` blocks, not -1: then a compiled graph knows both sides' sizes are one, and needs no broadcast)
+    return values.view(scale.numel(), f.block).mul_(scale[:, None]).view(-1)[:numel].to(dtype)
 
 
 def bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -27,12 +27,14 @@ from .._torch import compile_config, emulated_casts, inductor_options, trusted_c
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
+from ..state.lowbit import pack, stored_part, unpack
 from .buckets import Bucket
 from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chunks
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
-__all__ = ['float64_scalars_on_gpu', 'device_failed', 'compiled_chain', 'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
+__all__ = ['float64_scalars_on_gpu', 'device_failed', 'CompileFailed', 'compiled_chain', 'compiled_bucket', 'fused_bucket',
+           'float64_0d_copies']
 
 
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
@@ -48,35 +50,43 @@ def float64_0d_copies(ts: Mapping) -> dict:
             if isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64}
 
 
-def _fused_chain_fn(cbs, name: str) -> Callable:
-    "The chain over a list of params as one function, under a code object of its own (torch.compile caches per code)."
+def _fused_chain_fn(cbs, name: str, stored: Mapping | None = None) -> Callable:
+    """The chain over a list of params as one function, under a code object of its own (torch.compile caches per
+    code). `stored`: a low-bit plan (`cbopt.state.lowbit.param_plan`): the state holds those entries' stored parts,
+    dequantized in the graph before the chain and quantized after it (new parts: the engine writes them back), outside
+    the scalar barrier (their constants are the format's, never a hyper)."""
     transient = transient_keys(cbs)
     def fused_chain(params, tstates, pystate, hyper):
         new_t, new_py = [], None
+        sts = [{**pystate, **ts, **float64_0d_copies(ts)} for ts in tstates]
+        if stored:
+            for p, st in zip(params, sts): unpack(st, p, stored)
         with ScalarArgsAsTensors(scalars_once=True):
-            for p, ts in zip(params, tstates):  # unrolled when compiled: one graph, fused by inductor
-                st = {**pystate, **ts, **float64_0d_copies(ts)}
-                run_chain(cbs, p, st, hyper)
-                new_t.append({k: v for k, v in st.items()
-                              if isinstance(v, torch.Tensor) and v is not ts.get(k) and k not in transient})
-                if new_py is None:  # (the first param's: a run's padding, if any, comes last)
-                    new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor) and k not in transient}
+            for p, st in zip(params, sts): run_chain(cbs, p, st, hyper)  # unrolled when compiled: one graph
+        for p, ts, st in zip(params, tstates, sts):
+            if stored: pack(st, p, stored, stochastic=False)  # (block formats only: no random draws in the graph)
+            new_t.append({k: v for k, v in st.items()
+                          if isinstance(v, torch.Tensor) and v is not ts.get(k) and k not in transient})
+            if new_py is None:  # (the first param's: a run's padding, if any, comes last)
+                new_py = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor) and k not in transient}
         return new_t, new_py
     code = fused_chain.__code__.replace(co_name=name)
     return types.FunctionType(code, fused_chain.__globals__, name, None, fused_chain.__closure__)
 
 
-def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | None = None) -> Callable:
+def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | None = None,
+                   stored: Mapping | None = None) -> Callable:
     """The chain compiled for the params `idx` of `b` (flat: for runs of `flat_run` flat params), with dynamic shapes
     and Python numbers: a change of lr or step does not recompile. Compiled once per chain and layout (device, dtype,
     ranks or run length, state keys) in this process. Raises (before anything is stepped) where torch refuses an
-    option (`cbopt._torch.inductor_options`)."""
+    option (`cbopt._torch.inductor_options`). `stored`: the low-bit plan of state kept stored (`_fused_chain_fn`)."""
     p0 = b.params[idx[0]]
     ranks = ('flat', flat_run) if flat_run else tuple(b.params[i].ndim for i in idx)
-    key = (compiler, chain_sig(cbs), p0.device, p0.dtype, ranks, tuple(b.states[idx[0]]))
+    plan = tuple(stored.items()) if stored else ()
+    key = (compiler, chain_sig(cbs), p0.device, p0.dtype, ranks, tuple(b.states[idx[0]]), plan)
     if key not in _COMPILED:
         register_ops()
-        fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}')
+        fn = _fused_chain_fn(cbs, f'cbopt_fused_chain_{len(_COMPILED)}', stored)
         # dynamic shapes come from `compiled_bucket`'s config patch, once per bucket: `dynamic=True` would patch the
         # config again at every call
         # (`scalars_once_pass` is None where this torch cannot run it: then each scalar is computed in its own barrier)
@@ -107,7 +117,7 @@ class CompileFailed(Exception):
     def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
 
 
-def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
+def compiled_bucket(opt, b: Bucket, hyper: Mapping, stored: Mapping | None = None, run: int | None = None) -> None:
     """Step `b` with the compiled chain: flat params in runs of `compile_chunk` (`flat_chunks`, the last one padded:
     one graph) where `flat_inputs` gives them, else in chunks of params of the same shape (`shape_chunks`).
     Compilation traces the chain before running anything, so a chain that cannot compile raises before its first
@@ -117,14 +127,15 @@ def compiled_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     kept = runtime(opt).flat_aliases.setdefault(b.layout, {})
     flat = None if on_shards else flat_inputs(b, kept)
-    try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards)
+    try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards, stored, run)
     finally:
         if flat is not None: release_grads(flat.params)  # (the pack's param too)
 
 
-def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInputs | None, on_shards: bool) -> None:
+def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInputs | None, on_shards: bool,
+                   stored: Mapping | None = None, run: int | None = None) -> None:
     options = opt.backend_options
-    run = options.compile_chunk  # flat: every run is padded to this length, so all call one graph
+    run = run or options.compile_chunk  # flat: every run is padded to this length, so all call one graph
     if flat:
         params, tstates, members, pack = flat.params, flat.states, flat.members, flat.pack
         chunks = flat_chunks(len(params), run)
@@ -138,7 +149,7 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
             if options.compiler == 'inductor':  # each 16-bit op rounds as in eager: 16-bit params (kahan_sum needs
                 settings.enter_context(emulated_casts())  # it) and 16-bit math in fp32 chains (Muon's bf16 iteration)
                 if b.params[0].device.type == 'cpu': settings.enter_context(trusted_cpu_isa())  # (no ISA test builds)
-            fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run) if flat else None  # (one graph for all runs)
+            fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run, stored) if flat else None  # (one graph)
         except Exception as e: raise CompileFailed(e, b) from e
         for j, idx in enumerate(chunks):
             if flat:
@@ -150,7 +161,7 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
                 ts = [{k: local(v) for k, v in b.states[i].items() if isinstance(v, torch.Tensor)} for i in idx]
                 ps = [local_param(b.params[i]) if on_shards else b.params[i] for i in idx]
             try:
-                if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx)
+                if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx, stored=stored)
                 new_t, new_py = fn(ps, ts, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
                 if device_failed(e): raise  # (unless the device failed: a kernel may have run, see `device_failed`)
@@ -161,8 +172,8 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
                 elif nt:  # a new flat entry gets its param's shape back; a rebound entry of a shard becomes a DTensor
                     i = members[s][0]  # again, as the entry was
                     p, st = b.params[i], b.states[i]
-                    st.update({k: v.view(p.shape) if flat and v.shape == (p.numel(),) else as_like(v, st.get(k, p))
-                               for k, v in nt.items()})
+                    st.update({k: v.view(p.shape) if flat and v.shape == (p.numel(),) and stored_part(k) is None
+                               else as_like(v, st.get(k, p)) for k, v in nt.items()})  # (stored parts stay 1-D)
             if new_py:
                 for s in idx:
                     for i in members[s]: b.states[i].update(new_py)

@@ -16,7 +16,7 @@ from .buckets import Bucket, as_real
 from .compiled import fused_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
-from .lowbit import chunks as lowbit_chunks
+from .lowbit import chunks as lowbit_chunks, fused_stored
 from .scaling import scale_grads, unscale_grads
 from ..core.runtime import param_states, runtime
 
@@ -126,6 +126,7 @@ def run_buckets(opt, snapshots: Mapping, check: bool = False, scales: Mapping | 
     if kind == 'fused': _check_fused_devices(buckets)
     for whole in (q for b in buckets for q in bucketing.runs(b, snapshots, scales)):  # (a bucket of groups alike,
         hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))  # or theirs)
+        if kind == 'fused' and fused_stored(opt, whole, hyper, scale, in_place, loss_scale): continue  # (low-bit)
         for c in lowbit_chunks(opt, whole):  # (low-bit state: each chunk's as fp32 tensors while it runs)
             with as_real(c) as b:  # complex params step as torch's do: on their real views
                 if (scale is not None or loss_scale is not None) and kind in ('fused', 'auto') and not (
@@ -149,6 +150,7 @@ def _run_group_backends(opt, snapshots: Mapping, kinds: Mapping, check: bool, sc
         own = 'loop' if sparse and bucketing.is_sparse(whole) else kinds.get(id(whole.group), kind)
         if own == 'fused': _check_fused_devices([whole])
         hyper, (scale, in_place) = snapshots[id(whole.group)], scales.get(id(whole.group), (None, False))
+        if own == 'fused' and fused_stored(opt, whole, hyper, scale, in_place, loss_scale): continue  # (low-bit)
         for c in lowbit_chunks(opt, whole):  # (low-bit state: each chunk's as fp32 tensors while it runs)
             with as_real(c) as b:
                 if (scale is not None or loss_scale is not None) and own in ('fused', 'auto'):

@@ -9,6 +9,7 @@ import torch
 
 from .._torch import flatten_dense, foreach_op
 from ..core.chain import chain_scope
+from ..state.lowbit import stored_base, stored_part
 from .buckets import Bucket, give_grad
 
 __all__ = ['shape_chunks', 'flat_chunks', 'padding', 'can_flatten', 'flat_alias', 'Pack', 'FlatInputs', 'flat_inputs',
@@ -47,8 +48,18 @@ def padding(p: torch.Tensor, tstate: Mapping, n: int) -> tuple[list, list]:
         q = scratch(p)
         give_grad(q, scratch(p.grad))
         params.append(q)
-        tstates.append({k: scratch(v) for k, v in tstate.items()})
+        tstates.append({k: scratch(v) if stored_part(k) is None else _first_block(k, v, tstate) for k, v in tstate.items()})
     return params, tstates
+
+
+def _first_block(key: str, v: torch.Tensor, tstate: Mapping) -> torch.Tensor:
+    """A copy of the first `PAD_NUMEL` blocks of a low-bit entry's stored part (`cbopt.state.lowbit`): codes (as
+    many per block as the entry's has) or scales. A block holds at least `PAD_NUMEL` elements; `PAD_NUMEL` blocks keep
+    the number of blocks symbolic too."""
+    if stored_part(key) != 'codes': return v[:PAD_NUMEL].clone()
+    base = stored_base(key)
+    scale = next(t for k, t in tstate.items() if k != key and stored_base(k) == base and stored_part(k))
+    return v[:PAD_NUMEL * (v.numel() // scale.numel())].clone()
 
 
 def can_flatten(b: Bucket) -> bool:
