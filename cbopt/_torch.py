@@ -73,7 +73,8 @@ from typing import Any
 import torch
 
 __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
-           'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'inductor_options',
+           'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'UNCHECKED_GATHERS',
+           'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
            'data_getter', 'dynamo_counters', 'static_address', 'strong_wolfe']
@@ -159,11 +160,19 @@ per param: measured on an H200 (torch 2.11), Lion on GPT-2 small's params took 6
 15 with them, the kernels' own time at the copy bandwidth's floor (the rest is the calls' Python)."""
 
 
-def inductor_options(graph_pass: Any = None, device_type: str = 'cpu') -> dict:
+# a low-bit graph's gathers (a code's map value, a code table's bucket) index tables with indices clamped or bounded by
+# construction (a uint8 code of a 256-value map, a clamped bucket): inductor's per-element bounds check, a vector mask
+# test around each scalarised gather, halved the compiled 8-bit Adam step's speed on a CPU
+UNCHECKED_GATHERS = {'assert_indirect_indexing': False}
+
+
+def inductor_options(graph_pass: Any = None, device_type: str = 'cpu', gathers_checked: bool = True) -> dict:
     """Inductor's options for the compiled chain: `INDUCTOR_OPTIONS`, `GPU_INDUCTOR_OPTIONS` on any device but the
-    CPU (whose C++ kernels have no combo kernels), and `graph_pass` as its post-grad pass if given."""
+    CPU (whose C++ kernels have no combo kernels), and `graph_pass` as its post-grad pass if given;
+    `gathers_checked=False`: `UNCHECKED_GATHERS` (the low-bit graph: `cbopt.engine.lowbit`)."""
     return {**INDUCTOR_OPTIONS, **(GPU_INDUCTOR_OPTIONS if device_type != 'cpu' else {}),
-            **({'post_grad_custom_post_pass': graph_pass} if graph_pass is not None else {})}
+            **({'post_grad_custom_post_pass': graph_pass} if graph_pass is not None else {}),
+            **({} if gathers_checked else UNCHECKED_GATHERS)}
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 checked: they depend on the machine and its load). One torch thread: two stall on a busy 2-core machine."""
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -190,6 +191,36 @@ def test_compile_part(quick_run):
     assert cold['fxgraph_cache_miss'] == 1 and cold['fxgraph_cache_hit'] == 0
     assert warm['fxgraph_cache_miss'] == 0 and warm['fxgraph_cache_hit'] == 1
     assert "Lion's first compile" in stdout
+
+
+def test_lowbit_part(quick_run):
+    """Case 13 (`--only lowbit`): the state bytes per param of each format, counted here from the quick set's shapes
+    (params of 4096 elements or more: codes padded to whole blocks and an fp32 scale per block; the others fp32), at
+    most torchao's on the same params; the timed rows ran, their ratios are reported; 8-bit cbopt follows torchao's
+    AdamW8bit (the quick set's quantized tensors are multiples of torchao's block, so both quantize the same ones)."""
+    stdout, out = quick_run
+    case = json.loads((out / 'bench.json').read_text())['lowbit']
+    shapes = bench.params.param_sets(True)['gpt2']
+    n = sum(math.prod(s) for _, s in shapes)
+    def expected(codes_per_elem: float, block: int, scale_bytes: int = 4) -> float:
+        total = 0
+        for _, s in shapes:
+            k = math.prod(s)
+            blocks = -(-k // block)
+            total += 2 * (blocks * block * codes_per_elem + scale_bytes * blocks) if k >= 4096 else 8 * k
+        return total / n
+    b = case['bytes_per_param']
+    assert case['numel'] == n and b['cbopt fp32'] == 8
+    assert b['cbopt bf16'] == pytest.approx(expected(2, 1, scale_bytes=0))  # (bf16: 2 bytes an element, no scale)
+    assert b['cbopt 8bit'] == pytest.approx(expected(1, 256)) == b['cbopt fp8']
+    assert b['cbopt 4bit'] == pytest.approx(expected(0.5, 128))
+    for fmt, cls in (('8bit', 'AdamW8bit'), ('4bit', 'AdamW4bit'), ('fp8', 'AdamWFp8')):
+        if f'torchao {cls}' in b: assert b[f'cbopt {fmt}'] <= b[f'torchao {cls}'] + 1e-9
+    assert list(case['results']) == ['cbopt 8bit fused', 'cbopt fp32 fused', 'torchao AdamW8bit']
+    assert all('median_s' in r for r in case['results'].values())
+    assert all(v is not None and v > 0 for v in case['ratios'].values())
+    assert case['numerics'] < 1e-5
+    assert '**Low-bit state, Adam on the GPT-2 set**' in stdout
 
 
 OPTIONAL = ('fastai', 'lion_pytorch', 'pytorch_optimizer', 'optimi', 'schedulefree', 'matplotlib')

@@ -90,7 +90,8 @@ def compiled_chain(cbs, compiler: str, b: Bucket, idx: list, flat_run: int | Non
         # dynamic shapes come from `compiled_bucket`'s config patch, once per bucket: `dynamic=True` would patch the
         # config again at every call
         # (`scalars_once_pass` is None where this torch cannot run it: then each scalar is computed in its own barrier)
-        options = inductor_options(scalars_once_pass(), p0.device.type) if compiler == 'inductor' else None
+        options = (inductor_options(scalars_once_pass(), p0.device.type, gathers_checked=not stored)
+                   if compiler == 'inductor' else None)
         _COMPILED[key] = torch.compile(fn, backend=compiler, fullgraph=True, options=options)
     return _COMPILED[key]
 

@@ -27,6 +27,10 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
 11. Lion's first compile in a fresh process with an empty inductor cache, then with that cache filled.
 12. The grid of case 2 with each tensor its own param group (per-layer lrs, as discriminative training sets them):
     the cost per group, the same contenders.
+13. Low-bit state (`state_precision=`) on the GPT-2 set at `--size`: the state bytes per param of cbopt's Adam in
+    fp32, bf16, 8bit, 4bit and fp8 next to torchao's AdamW8bit/AdamW4bit/AdamWFp8 on the same params; the step time
+    of cbopt's 8-bit fused Adam over its fp32 fused Adam and over torchao's AdamW8bit, and the first steps (state
+    creation and compilation) over torchao's, as ratios in one process.
 """
 from __future__ import annotations
 
@@ -44,17 +48,19 @@ from pathlib import Path
 import torch
 
 import cbopt
-from .contenders import (Entry, adam_contenders, catalogue, catalogue_contenders, entry_missing, select,
-                         stream_contenders, train_contenders, train_step)
+from .contenders import (TORCHAO_LOWBIT, Entry, adam_contenders, catalogue, catalogue_contenders, cbopt_lowbit,
+                         entry_missing, lowbit_contenders, missing, select, stream_contenders, torchao_lowbit,
+                         train_contenders, train_step)
 from .harness import Progress, cpu_s, cuda_peak_bytes, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes, status_kb
 from .params import PLACEMENT, Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
 
 __all__ = ['PARTS', 'CUDA_PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case',
-           'step_peak_memory', 'cuda_peak_memory', 'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case']
+           'step_peak_memory', 'cuda_peak_memory', 'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case',
+           'tensor_bytes', 'lowbit_case']
 
 # the parts `--only` picks, in the order they run (adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7;
-# in_backward: 8; memory: 9; catalogue: 10; compile: 11)
-PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile')
+# in_backward: 8; memory: 9; catalogue: 10; compile: 11; lowbit: 13)
+PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile', 'lowbit')
 # the parts `--device cuda` can run (the same contenders, params on the GPU; the catalogue when asked: its references,
 # lion-pytorch, torch-optimi..., are timed against cbopt's rows there too): the others time CPU-only setups (the demo's
 # MLP, subprocesses' RSS, gloo ranks, a fresh process's CPU compile); the first four are its default
@@ -277,3 +283,65 @@ def compile_case(width: float, quick: bool) -> dict:
             res[key] = (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
                         else {'error': run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'failed'})
     return res
+
+
+# -- low-bit state (case 13, `--only lowbit`) -------------------------------------------------------------------------
+def tensor_bytes(opt) -> int:
+    """The bytes of `opt`'s per-param state tensors of one dimension or more (step counts left out), a tensor subclass
+    (torchao's quantized state: codes and scales) counted by the plain tensors it holds."""
+    def size(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, '__tensor_flatten__'):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, n)) for n in names)
+        return t.numel() * t.element_size()
+    return sum(size(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+
+
+def lowbit_case(shapes: list, rounds: int, warmup: int, quick: bool, progress: Progress | None = None,
+                skipped: dict[str, str] | None = None) -> dict:
+    """Case 13. State bytes per param after one step, each optimizer on its own copy of the params: cbopt's Adam per
+    `state_precision` and torchao's low-bit AdamWs (stepped eagerly here: the bytes do not depend on it). Then
+    `lowbit_contenders` timed interleaved, with at least 2 warm-up steps (cbopt's fused backend compiles on its second,
+    torchao on its first): the ratios of median steps and of the warm-up's extra time (state creation and
+    compilation). Quick runs compile with aot_eager and run torchao eagerly (no codegen: a smoke run); torchao's rows
+    are skipped, with a note in `skipped`, where it is not installed. `numerics`: the largest |param difference| of
+    cbopt's 8-bit fused Adam from torchao's AdamW8bit after 3 steps from one start, relative to the largest |param|."""
+    n = sum(math.prod(s) for _, s in shapes)
+    ao_missing = missing(torchao_lowbit('8bit'))
+    if ao_missing and skipped is not None: skipped['lowbit torchao'] = ao_missing
+    bytes_per_param = {}
+    for prec in ('fp32', 'bf16', '8bit', '4bit', 'fp8'):
+        rows = {f'cbopt {prec}': cbopt_lowbit(prec, 'foreach')}
+        if prec in TORCHAO_LOWBIT and not ao_missing: rows[f'torchao {TORCHAO_LOWBIT[prec]}'] = torchao_lowbit(prec)
+        for name, make in rows.items():
+            opt = make(make_params(shapes))
+            with torch.compiler.set_stance('force_eager'): opt.step()
+            bytes_per_param[name] = tensor_bytes(opt) / n
+            del opt
+            gc.collect()
+        if progress: progress.update()
+    compiler = 'aot_eager' if quick else 'inductor'
+    contenders = lowbit_contenders(compiler)
+    if ao_missing: contenders.pop('torchao AdamW8bit')
+    ps = make_params(shapes)
+    opts = {name: make(ps) for name, make in contenders.items()}
+    with torch.compiler.set_stance('force_eager' if quick else 'default'):
+        res = measure({name: o.step for name, o in opts.items()}, rounds, max(warmup, 2), progress)
+    del opts, ps
+    gc.collect()
+    ours, fp32, ao = 'cbopt 8bit fused', 'cbopt fp32 fused', 'torchao AdamW8bit'
+    first = lambda name: res.get(name, {}).get('warmup_extra_s')
+    ratios = dict(step_over_fp32=paired(res, ours, fp32), step_over_torchao=paired(res, ours, ao),
+                  first_steps_over_torchao=None if not (first(ours) and first(ao)) else first(ours) / first(ao))
+    numerics = None
+    if not ao_missing:
+        finals = []
+        for make in (contenders[ours], contenders[ao]):
+            small = make_params(tiny_gpt2(1 if quick else 12), seed=1)
+            opt = make(small)
+            with torch.compiler.set_stance('force_eager' if quick else 'default'):
+                for _ in range(3): opt.step()
+            finals.append(torch.cat([p.detach().flatten() for _, p in small]))
+        numerics = ((finals[0] - finals[1]).abs().max() / finals[1].abs().max()).item()
+    return dict(numel=n, tensors=len(shapes), compiler=compiler, torchao_compiled=not quick,
+                bytes_per_param=bytes_per_param, results=res, ratios=ratios, numerics=numerics)

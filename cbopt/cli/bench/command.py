@@ -14,7 +14,7 @@ import torch
 
 from . import cases as _cases
 from .cases import (CUDA_PARTS, PARTS, TRAIN_ROWS, catalogue_case, compile_case, cuda_peak_memory, in_backward_case,
-                    peak_memory, run_case, train_case)
+                    lowbit_case, peak_memory, run_case, train_case)
 from .contenders import (STREAM_BYTES, adam_contenders, available_backends, catalogue, clip_contenders, installed,
                          lion_contenders, stream_contenders, unclipped_contenders)
 from .harness import Progress
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
                         f"the parts {','.join(CUDA_PARTS[:4])} (and {CUDA_PARTS[4]} when asked) on the GPU, adam and "
                         "lion in fp32 and bf16, timed with CUDA events")
     parser.add_argument('--only', default=None, help=f"comma-separated parts to run, of {','.join(PARTS)} "
-                        "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11)")
-    parser.add_argument('--size', type=float, default=1.0, help="catalogue and compile: the GPT-2 set's width and "
+                        "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11; "
+                        "lowbit: 13)")
+    parser.add_argument('--size', type=float, default=1.0, help="catalogue, compile and lowbit: the GPT-2 set's width and "
                         "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
     parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
                         '(default: all)')
@@ -92,7 +93,8 @@ def _run(args: argparse.Namespace, device: str) -> dict:
                                + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
                         + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
                         + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds)
-                        + (device == 'cuda') * per * (('adam' in todo) * len(adam) + ('lion' in todo) * len(lion)))
+                        + (device == 'cuda') * per * (('adam' in todo) * len(adam) + ('lion' in todo) * len(lion))
+                        + ('lowbit' in todo) * (5 + 3 * (max(warmup, 2) + rounds)))
     print(f"cbopt backends: {', '.join(backends)}", flush=True)
     cases, streams, bandwidth, mem, parts = {}, {}, {}, {}, {}
     if 'adam' in todo:
@@ -142,6 +144,10 @@ def _run(args: argparse.Namespace, device: str) -> dict:
     if 'compile' in todo:
         progress.set('first compile, fresh processes')
         parts['compile'] = dict(size=args.size, cases=compile_case(args.size, args.quick))
+    if 'lowbit' in todo:
+        progress.set('low-bit state')
+        shapes = sets['gpt2'] if args.quick else gpt2_at(args.size)  # (quick: the set whose tensors reach 4096 elements)
+        parts['lowbit'] = dict(size=args.size, **lowbit_case(shapes, rounds, warmup, args.quick, progress, skipped))
     progress.close()
     results = dict(machine=machine(device), device=device, quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},

@@ -19,7 +19,8 @@ from .params import PLACEMENT, TOKENS, Named, gpt2_model
 __all__ = ['BACKENDS', 'ADAM', 'LION', 'CLIP_NORM', 'STREAM_BYTES', 'PACKAGES', 'needs', 'missing', 'installed',
            'available_backends', 'backend_kw', 'one_group_each', 'adam_contenders', 'fastai_adam', 'lion_contenders',
            'train_contenders', 'stream_contenders', 'clip_contenders', 'unclipped_contenders', 'train_step', 'Entry',
-           'catalogue', 'catalogue_contenders', 'entry_missing', 'select']
+           'catalogue', 'catalogue_contenders', 'entry_missing', 'select', 'TORCHAO_LOWBIT', 'cbopt_lowbit', 'torchao_lowbit',
+           'lowbit_contenders']
 
 BACKENDS = ('fused', 'foreach', 'loop', 'auto')  # auto (the default) picks one of the others per bucket
 ADAM = dict(lr=1e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
@@ -29,7 +30,7 @@ LION = dict(lr=1e-4, mom=0.9, sqr_mom=0.99, wd=0.1)
 # -- references from packages that may not be installed -----------------------------------------------------------
 # the packages the references need beyond torch and cbopt: module -> the name pip installs it by
 PACKAGES = {'fastai': 'fastai', 'lion_pytorch': 'lion-pytorch', 'pytorch_optimizer': 'pytorch_optimizer',
-            'optimi': 'torch-optimi', 'schedulefree': 'schedulefree'}
+            'optimi': 'torch-optimi', 'schedulefree': 'schedulefree', 'torchao': 'torchao'}
 
 
 def needs(module: str, factory: Callable) -> Callable:
@@ -324,3 +325,32 @@ def select(entry: Entry, ps: Named) -> Named:
 def entry_missing(entry: Entry) -> str | None:
     "Why `entry`'s reference cannot be built here (its package is not installed), or None: the entry is then skipped."
     return next((why for f in entry.refs.values() if (why := missing(f))), None)
+
+
+# -- low-bit state (`--only lowbit`): cbopt's Adam per `state_precision`, torchao's low-bit AdamW ----------------------
+TORCHAO_LOWBIT = {'8bit': 'AdamW8bit', '4bit': 'AdamW4bit', 'fp8': 'AdamWFp8'}  # cbopt's format -> torchao's class
+
+
+def cbopt_lowbit(precision: str, backend: cbopt.Backend | str = 'fused') -> Callable[[Named], cbopt.Optimizer]:
+    "cbopt's Adam (decoupled weight decay, as AdamW's) with `state_precision=precision`: a builder of the optimizer."
+    return lambda ps: cbopt.Adam(_bare(ps), **ADAM, backend=backend, state_precision=precision)
+
+
+def torchao_lowbit(fmt: str) -> Callable[[Named], Any]:
+    "torchao's low-bit AdamW for `fmt` ('8bit', '4bit', 'fp8') with `ADAM`'s numbers: a builder of the optimizer."
+    def make(ps):
+        import warnings
+        with warnings.catch_warnings():  # (lazily, and quietly: torchao warns about its CUDA extensions on a CPU)
+            warnings.simplefilter('ignore')
+            import torchao.optim
+        return getattr(torchao.optim, TORCHAO_LOWBIT[fmt])(_bare(ps), lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']),
+                                                          eps=ADAM['eps'], weight_decay=ADAM['wd'])
+    return needs('torchao', make)
+
+
+def lowbit_contenders(compiler: str = 'inductor') -> dict[str, Callable[[Named], Any]]:
+    """The timed rows of the low-bit part: cbopt's 8-bit and fp32 Adam on the fused backend (compiled with `compiler`),
+    and torchao's AdamW8bit (which compiles its step per param shape)."""
+    fused = cbopt.Backend('fused', compiler=compiler)
+    return {'cbopt 8bit fused': cbopt_lowbit('8bit', fused), 'cbopt fp32 fused': cbopt_lowbit('fp32', fused),
+            'torchao AdamW8bit': torchao_lowbit('8bit')}

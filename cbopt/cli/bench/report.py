@@ -18,7 +18,7 @@ from .params import TOKENS
 
 __all__ = ['ADAM_BYTES', 'LION_BYTES', 'machine', 'fmt', 'table', 'adam_rows', 'lion_rows', 'train_rows', 'clip_rows',
            'in_backward_rows', 'CASE_TITLES', 'report', 'plot', 'write', 'fastest_ref', 'times_floor',
-           'catalogue_rows', 'catalogue_report', 'compile_report']
+           'catalogue_rows', 'catalogue_report', 'compile_report', 'LOWBIT_GOALS', 'lowbit_report']
 
 # fp32 bytes per element the algorithm must move: param read+write, grad read, and each state buffer read+write
 ADAM_BYTES, LION_BYTES = 4 * (2 + 1 + 2 + 2), 4 * (2 + 1 + 2)
@@ -169,7 +169,37 @@ def report(results: dict) -> str:
             c = results['catalogue']
             out.append(catalogue_report(c['cases'], c['numel'], c['tensors']))
         if 'compile' in results: out.append(compile_report(results['compile']['cases']))
+    if 'lowbit' in results: out.append(lowbit_report(results['lowbit']))
     return '\n\n'.join(out)
+
+
+# -- low-bit state (case 13) ------------------------------------------------------------------------------------------
+LOWBIT_GOALS = {'8bit': 2.1, '4bit': 1.15, 'fp8': 2.1}  # issue 33's goals, in state bytes per param (and <= torchao's)
+
+
+def lowbit_report(case: dict) -> str:
+    "Case 13: state bytes per param per format next to torchao's, then the step times and their ratios."
+    from .contenders import TORCHAO_LOWBIT
+    b = case['bytes_per_param']
+    rows = []
+    for prec in ('fp32', 'bf16', '8bit', '4bit', 'fp8'):
+        ao = b.get(f'torchao {TORCHAO_LOWBIT[prec]}') if prec in TORCHAO_LOWBIT else None
+        rows.append([prec, fmt(b.get(f'cbopt {prec}'), '.3f'), '-' if prec not in TORCHAO_LOWBIT else
+                     f"{TORCHAO_LOWBIT[prec]}: {fmt(ao, '.3f')}", fmt(LOWBIT_GOALS.get(prec), '.2f')])
+    mem = table(['state_precision', 'cbopt bytes/param', 'torchao bytes/param', 'goal'], rows)
+    res = case['results']
+    times = table(['', 'step ms (median)', 'first step s', 'warm-up extra s (state, compile)'],
+                  [[name, fmt(1e3 * r['median_s'], '.1f'), fmt(r['first_s']), fmt(r['warmup_extra_s'])]
+                   if 'median_s' in r else [name, r.get('error', '-'), '-', '-'] for name, r in res.items()])
+    q = case['ratios']
+    where = 'torchao compiled' if case['torchao_compiled'] else 'torchao eager (quick run)'
+    ratios = (f"8-bit fused step / fp32 fused step: {fmt(q['step_over_fp32'], '.2f', 'x')} (goal <= 1.5x); / torchao "
+              f"AdamW8bit's: {fmt(q['step_over_torchao'], '.2f', 'x')} (goal < 1x); first steps (warm-up extra) / "
+              f"torchao's: {fmt(q['first_steps_over_torchao'], '.2f', 'x')} (goal <= 0.5x). cbopt compiled with "
+              f"{case['compiler']}, {where}; 8-bit params vs torchao's after 3 steps: {fmt(case['numerics'], '.1e')} of "
+              "the largest |param|.")
+    return (f"**Low-bit state, Adam on the GPT-2 set** ({case['tensors']:,} tensors, {case['numel']:,} params)\n\n"
+            f"{mem}\n\n{times}\n\n{ratios}")
 
 
 # -- the catalogue (case 10) and the cold first compile (case 11) ----------------------------------------------------
