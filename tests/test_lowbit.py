@@ -232,6 +232,31 @@ def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
                 assert (a - b).abs().max() <= 1
 
 
+@pytest.mark.parametrize('in_place', [False, True])
+def test_fused_low_bit_under_clipping_follows_foreach(in_place):
+    """Global-norm clipping (`GradientClippingOptimizer`) scales the grads of a low-bit bucket before the fused graph
+    steps it, as foreach's chunks are (the user's grads left as they were, or clipped in place)."""
+    out = {}
+    for backend in ('foreach', 'fused'):
+        m = _model()
+        inner = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                                state_precision='8bit', backend=cbopt.Backend(backend, compiler='aot_eager'))
+        opt = cbopt.GradientClippingOptimizer(inner, cbopt.GradientClipping.NORM, max_gradient=1e-3, in_place=in_place)
+        grads = []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            m(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            grads.append(m[0].weight.grad.clone())
+            opt.zero_grad()
+        out[backend] = m, grads
+    (m0, g0), (m1, g1) = out['foreach'], out['fused']
+    for p0, p1 in zip(m0.parameters(), m1.parameters()): torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g0, g1):  # (the grads of params that differ in their last bits)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-9)
+        assert (b.norm() <= 1e-3 * 1.001) == in_place  # (clipped, or left as they were: their norm is above 1e-3)
+
+
 def test_memory_and_state_bytes():
     "8-bit Adam state is about 2 bytes per param of the quantized ones (plus one fp32 absmax per 256)."
     m = _model()
