@@ -302,8 +302,8 @@ def lowbit_case(shapes: list, rounds: int, warmup: int, quick: bool, progress: P
     """Case 13. State bytes per param after one step, each optimizer on its own copy of the params: cbopt's Adam per
     `state_precision` and torchao's low-bit AdamWs (stepped eagerly here: the bytes do not depend on it). Then
     `lowbit_contenders` timed interleaved, with at least 2 warm-up steps (cbopt's fused backend compiles on its second,
-    torchao on its first): the ratios of median steps and of the warm-up's extra time (state creation and
-    compilation). Quick runs compile with aot_eager and run torchao eagerly (no codegen: a smoke run); torchao's rows
+    torchao on its first): the ratios of median steps and of the warm-up steps' total time (state creation and
+    compilation: the first steps). Quick runs compile with aot_eager and run torchao eagerly (no codegen: a smoke run); torchao's rows
     are skipped, with a note in `skipped`, where it is not installed. `numerics`: the largest |param difference| of
     cbopt's 8-bit fused Adam from torchao's AdamW8bit after 3 steps from one start, relative to the largest |param|."""
     n = sum(math.prod(s) for _, s in shapes)
@@ -330,7 +330,7 @@ def lowbit_case(shapes: list, rounds: int, warmup: int, quick: bool, progress: P
     del opts, ps
     gc.collect()
     ours, fp32, ao = 'cbopt 8bit fused', 'cbopt fp32 fused', 'torchao AdamW8bit'
-    first = lambda name: res.get(name, {}).get('warmup_extra_s')
+    first = lambda name: sum(res[name]['warmup_s']) if 'median_s' in res.get(name, {}) else None  # (same count each)
     ratios = dict(step_over_fp32=paired(res, ours, fp32), step_over_torchao=paired(res, ours, ao),
                   first_steps_over_torchao=None if not (first(ours) and first(ao)) else first(ours) / first(ao))
     numerics = None

@@ -194,7 +194,7 @@ def lowbit_report(case: dict) -> str:
     q = case['ratios']
     where = 'torchao compiled' if case['torchao_compiled'] else 'torchao eager (quick run)'
     ratios = (f"8-bit fused step / fp32 fused step: {fmt(q['step_over_fp32'], '.2f', 'x')} (goal <= 1.5x); / torchao "
-              f"AdamW8bit's: {fmt(q['step_over_torchao'], '.2f', 'x')} (goal < 1x); first steps (warm-up extra) / "
+              f"AdamW8bit's: {fmt(q['step_over_torchao'], '.2f', 'x')} (goal < 1x); first steps (the warm-up's) / "
               f"torchao's: {fmt(q['first_steps_over_torchao'], '.2f', 'x')} (goal <= 0.5x). cbopt compiled with "
               f"{case['compiler']}, {where}; 8-bit params vs torchao's after 3 steps: {fmt(case['numerics'], '.1e')} of "
               "the largest |param|.")
