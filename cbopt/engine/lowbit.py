@@ -10,7 +10,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ..core.dtensor import is_dtensor
 from ..core.quant import FORMATS, code_table
 from ..core.runtime import runtime, warn_once
 from ..state.lowbit import pack, param_plan, precision, unkinded, unpack
@@ -69,11 +68,10 @@ def graph_plan(opt, b: Bucket) -> dict | None:
     """The low-bit plan (`param_plan`) that the fused runner's graph can take for `b` as it is stored, or None: a
     block format (8-bit, 4-bit, fp8: no random draws, which bf16's stochastic rounding would take from another
     generator in a graph) for every entry, the state already stored (the first step, which creates it, is eager, as
-    the fused runner's always is), dense grads of the params' dtype (what dynamo traces), a chain not refused before,
-    params that are not DTensor shards."""
+    the fused runner's always is), dense grads of the params' dtype (what dynamo traces), a chain not refused before.
+    A DTensor shard's stored parts are its own blocks' (`cbopt.state.lowbit.pack`): its graph steps its local tensors."""
     if precision(b.group) not in FORMATS: return None
     p, st = b.params[0], b.states[0]
-    if is_dtensor(p): return None  # (a shard's stored state: its own blocks, `cbopt.state.lowbit`; through `chunks`)
     plan = param_plan(b.group, p)
     if not plan or any(fmt not in FORMATS or f'{k}.codes' not in st for k, (fmt, _) in plan.items()): return None
     if any(q.grad is None or q.grad.is_sparse or q.grad.dtype != q.dtype for q in b.params): return None
