@@ -24,8 +24,9 @@ QUICK_CATALOGUE = ('AdamW', 'Lion', 'Muon', 'Adafactor', 'ScheduleFreeAdamW')
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
     env = {**os.environ, 'MPLBACKEND': 'Agg'}
-    # every part but memory: tests/test_distributed.py checks the memory part's counts (2 ranks cost minutes here)
-    parts = ','.join(p for p in bench.PARTS if p != 'memory')
+    # every part but memory (tests/test_distributed.py checks the memory part's counts: 2 ranks cost minutes here) and
+    # compile_step (test_compile_step_part runs it with aot_eager: inductor's codegen of 4 steps costs minutes here)
+    parts = ','.join(p for p in bench.PARTS if p not in ('memory', 'compile_step'))
     cmd = [sys.executable, '-m', 'cbopt', 'bench', '--quick', '--threads', '1', '--only', parts, '--out', str(out),
            '--optimizers', ','.join(QUICK_CATALOGUE)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=out, env=env)  # (a loaded machine)
@@ -221,6 +222,33 @@ def test_lowbit_part(quick_run):
     assert all(v is not None and v > 0 for v in case['ratios'].values())  # (timings: present, not checked)
     assert case['numerics'] < 1e-5
     assert '**Low-bit state, Adam on the GPT-2 set**' in stdout
+
+
+def test_compile_step_part(tmp_path, monkeypatch):
+    """Case 14 (`--only compile_step`) end to end on the quick GPT-2 set, its steps compiled with aot_eager (inductor's
+    graph without its codegen, minutes here; the bench's runs use inductor): both pairs' rows in the JSON and the
+    table, a step ratio and a compile ratio each, cbopt's steps compiled in one graph, and cbopt's compiled Adam and Lion computing what torch's
+    compiled AdamW and lion-pytorch's compiled Lion compute, within the pair's tolerance."""
+    from cbopt.cli.bench import cases
+    monkeypatch.setattr(cases, 'COMPILE_STEP_COMPILER', 'aot_eager')
+    threads = torch.get_num_threads()
+    try: bench.main(['--quick', '--threads', '1', '--only', 'compile_step', '--steps', '2', '--warmup', '1',
+                     '--out', str(tmp_path)])
+    finally: torch.set_num_threads(threads)
+    part = json.loads((tmp_path / 'bench.json').read_text())['compile_step']
+    assert (part['tensors'], part['compiler']) == (len(cases.param_sets(True)['gpt2']), 'aot_eager')
+    assert list(part['pairs']) == ['adam', 'lion']
+    for name, (ours, ref) in {'adam': ('cbopt Adam', 'torch AdamW foreach'), 'lion': ('cbopt Lion', 'lion-pytorch')}.items():
+        pair = part['pairs'][name]
+        assert (pair['ours'], pair['ref']) == (ours, ref)
+        assert set(pair['results']) == {ours, ref} and all('median_s' in r for r in pair['results'].values())
+        assert pair['step_ratio'] > 0 and pair['compile_ratio'] is not None
+        assert pair['results'][ours]['graphs'] == 1  # (compiled once, its state made at trace time)
+        assert set(pair['numerics_gap']) == {ours, ref}
+        assert pair['numerics_gap'][ours] <= pair['tolerance'], pair['numerics_gap']
+    text = (tmp_path / 'bench.md').read_text()
+    assert '`torch.compile(opt.step)`' in text and 'NUMERICS DIFFER' not in text
+    assert all(row in text for row in ('cbopt Adam', 'torch AdamW foreach', 'cbopt Lion', 'lion-pytorch'))
 
 
 OPTIONAL = ('fastai', 'lion_pytorch', 'pytorch_optimizer', 'optimi', 'schedulefree', 'matplotlib')

@@ -31,6 +31,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
     fp32, bf16, 8bit, 4bit and fp8 next to torchao's AdamW8bit/AdamW4bit/AdamWFp8 on the same params; the step time
     of cbopt's 8-bit fused Adam over its fp32 fused Adam and over torchao's AdamW8bit, and the first steps (state
     creation and compilation) over torchao's, as ratios in one process.
+14. `torch.compile(opt.step)` on the GPT-2 set: cbopt's Adam against torch's compiled foreach AdamW, cbopt's Lion
+    against lion-pytorch's compiled step; the step time and the first call's (the compile's), as ratios.
 """
 from __future__ import annotations
 
@@ -49,18 +51,20 @@ import torch
 
 import cbopt
 from .contenders import (TORCHAO_LOWBIT, Entry, adam_contenders, catalogue, catalogue_contenders, cbopt_lowbit,
-                         entry_missing, lowbit_contenders, missing, select, stream_contenders, torchao_lowbit,
-                         train_contenders, train_step)
-from .harness import Progress, cpu_s, cuda_peak_bytes, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes, status_kb
+                         compile_step_contenders, entry_missing, installed, lowbit_contenders, missing, select,
+                         stream_contenders, torchao_lowbit, train_contenders, train_step)
+from .harness import (Progress, cpu_s, cuda_peak_bytes, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes,
+                      status_kb, timed)
 from .params import PLACEMENT, Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
 
 __all__ = ['PARTS', 'CUDA_PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case',
            'step_peak_memory', 'cuda_peak_memory', 'peak_memory', 'catalogue_numerics', 'catalogue_case', 'cold_compile', 'compile_case',
-           'tensor_bytes', 'lowbit_case']
+           'tensor_bytes', 'lowbit_case', 'COMPILE_STEP_COMPILER', 'compile_step_case']
 
 # the parts `--only` picks, in the order they run (adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7;
-# in_backward: 8; memory: 9; catalogue: 10; compile: 11; lowbit: 13)
-PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile', 'lowbit')
+# in_backward: 8; memory: 9; catalogue: 10; compile: 11; lowbit: 13; compile_step: 14)
+PARTS = ('adam', 'groups', 'lion', 'train', 'clip', 'in_backward', 'memory', 'catalogue', 'compile', 'lowbit',
+         'compile_step')
 # the parts `--device cuda` can run (the same contenders, params on the GPU; the catalogue when asked: its references,
 # lion-pytorch, torch-optimi..., are timed against cbopt's rows there too): the others time CPU-only setups (the demo's
 # MLP, subprocesses' RSS, gloo ranks, a fresh process's CPU compile); the first four are its default
@@ -345,3 +349,60 @@ def lowbit_case(shapes: list, rounds: int, warmup: int, quick: bool, progress: P
         numerics = ((finals[0] - finals[1]).abs().max() / finals[1].abs().max()).item()
     return dict(numel=n, tensors=len(shapes), compiler=compiler, torchao_compiled=not quick,
                 bytes_per_param=bytes_per_param, results=res, ratios=ratios, numerics=numerics)
+
+
+# -- torch.compile(opt.step) (case 14, `--only compile_step`) ---------------------------------------------------------
+COMPILE_STEP_COMPILER = 'inductor'  # torch.compile's default, what a user's compiled step gets
+NUMERICS_COMPILER = 'aot_eager'  # the numerics check's: inductor's graph, functionalized, without its codegen
+
+
+def compile_step_case(shapes: list, rounds: int, warmup: int, progress: Progress | None = None,
+                      compiler: str | None = None) -> dict:
+    """Each pair of `compile_step_contenders` on `shapes` (one shared set of params, each optimizer its own state),
+    timed interleaved in this process. First each step is called `max(warmup, 3)` times on its own, with an empty
+    inductor cache (a temporary `TORCHINDUCTOR_CACHE_DIR`: what a first run pays), after a tiny compile that pays the
+    compiler's one-time costs (so that neither side pays them alone): its compile time is those calls' time beyond
+    as many steady steps, with the graphs dynamo compiled meanwhile (an optimizer that makes its state in its first
+    step, as lion-pytorch's, compiles again at its second). Each pair is then checked to compute the same thing,
+    compiled with `NUMERICS_COMPILER`. A pair whose reference is not installed is skipped, with its note."""
+    compiler = compiler or COMPILE_STEP_COMPILER
+    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    out = {'numel': sum(math.prod(s) for _, s in shapes), 'tensors': len(shapes), 'compiler': compiler, 'pairs': {}}
+    with tempfile.TemporaryDirectory(prefix='cbopt_bench_compile_step_') as cache:
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache
+        try:
+            torch.compile(lambda x: x * 2 + 1, backend=compiler)(torch.ones(4))  # (the compiler's one-time costs)
+            for name, (contenders, ours, ref) in compile_step_contenders(compiler).items():
+                contenders, skipped = installed(contenders)
+                if skipped:
+                    out['pairs'][name] = {'skipped': skipped}
+                    continue
+                if progress: progress.set(f'torch.compile(opt.step): {name}')
+                ps = make_params(shapes)
+                steps = {n: f(ps) for n, f in contenders.items()}
+                firsts = {n: _first_calls(step, max(warmup, 3)) for n, step in steps.items()}
+                if progress: progress.update(len(steps) * max(warmup, 3))
+                res = measure(steps, rounds, 1, progress)
+                del steps, ps
+                gc.collect()
+                for n, r in res.items():
+                    r.update(firsts[n])
+                    if 'median_s' in r: r['compile_s'] = sum(r['first_calls_s']) - len(r['first_calls_s']) * r['median_s']
+                compile_s = [res[n].get('compile_s') for n in (ours, ref)]
+                out['pairs'][name] = dict(
+                    results=res, ours=ours, ref=ref, step_ratio=paired(res, ours, ref),
+                    compile_ratio=compile_s[0] / compile_s[1] if None not in compile_s else None,
+                    numerics_gap=numerics_gap(compile_step_contenders(NUMERICS_COMPILER)[name][0], ref, shapes),
+                    tolerance=1e-6 if name == 'adam' else 1e-5)
+        finally:
+            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
+            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+    return out
+
+
+def _first_calls(step: Callable[[], None], n: int) -> dict:
+    "The wall times of `step`'s first `n` calls (the compiles among them), and the graphs dynamo compiled meanwhile."
+    from ..._torch import dynamo_counters
+    stats = dynamo_counters()['stats']
+    before = stats.get('unique_graphs', 0)
+    return {'first_calls_s': [timed(step) for _ in range(n)], 'graphs': stats.get('unique_graphs', 0) - before}

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from . import cases as _cases
-from .cases import (CUDA_PARTS, PARTS, TRAIN_ROWS, catalogue_case, compile_case, cuda_peak_memory, in_backward_case,
-                    lowbit_case, peak_memory, run_case, train_case)
+from .cases import (CUDA_PARTS, PARTS, TRAIN_ROWS, catalogue_case, compile_case, compile_step_case, cuda_peak_memory,
+                    in_backward_case, lowbit_case, peak_memory, run_case, train_case)
 from .contenders import (STREAM_BYTES, adam_contenders, available_backends, catalogue, clip_contenders, installed,
                          lion_contenders, stream_contenders, unclipped_contenders)
 from .harness import Progress
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "lion in fp32 and bf16, timed with CUDA events")
     parser.add_argument('--only', default=None, help=f"comma-separated parts to run, of {','.join(PARTS)} "
                         "(adam: cases 1, 2, 4, 5; groups: 12; lion: 3; train: 6; clip: 7; in_backward: 8; memory: 9; catalogue: 10; compile: 11; "
-                        "lowbit: 13)")
+                        "lowbit: 13; compile_step: 14)")
     parser.add_argument('--size', type=float, default=1.0, help="catalogue, compile and lowbit: the GPT-2 set's width and "
                         "vocabulary as a fraction of GPT-2 small's (0.5: a quarter of its 124M params)")
     parser.add_argument('--optimizers', default=None, help='catalogue: comma-separated names of the optimizers to run '
@@ -90,7 +90,8 @@ def _run(args: argparse.Namespace, device: str) -> dict:
     clip, unclipped = clip_contenders(), unclipped_contenders()
     progress = Progress(per * (('adam' in todo) * (2 * len(adam) + len(STREAM_BYTES)) + ('groups' in todo) * len(adam)
                                + ('lion' in todo) * len(lion)
-                               + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4)
+                               + ('clip' in todo) * (len(clip) + len(unclipped)) + ('in_backward' in todo) * 4
+                               + ('compile_step' in todo) * 4)
                         + ('adam' in todo) * len(adam) + ('in_backward' in todo) * 4
                         + ('train' in todo) * TRAIN_ROWS * (warmup + 5 * rounds)
                         + (device == 'cuda') * per * (('adam' in todo) * len(adam) + ('lion' in todo) * len(lion))
@@ -148,6 +149,9 @@ def _run(args: argparse.Namespace, device: str) -> dict:
         progress.set('low-bit state')
         shapes = sets['gpt2'] if args.quick else gpt2_at(args.size)  # (quick: the set whose tensors reach 4096 elements)
         parts['lowbit'] = dict(size=args.size, **lowbit_case(shapes, rounds, warmup, args.quick, progress, skipped))
+    if 'compile_step' in todo:
+        progress.set('torch.compile(opt.step)')
+        parts['compile_step'] = compile_step_case(sets['gpt2'], rounds, warmup, progress)
     progress.close()
     results = dict(machine=machine(device), device=device, quick=args.quick, cold_compile_cache=not args.quick, rounds=rounds, warmup=warmup,
                    backends=backends, bandwidth_GBps=bandwidth, streams={'numel': stream_n, **streams},

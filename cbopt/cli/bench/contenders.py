@@ -20,7 +20,7 @@ __all__ = ['BACKENDS', 'ADAM', 'LION', 'CLIP_NORM', 'STREAM_BYTES', 'PACKAGES', 
            'available_backends', 'backend_kw', 'one_group_each', 'adam_contenders', 'fastai_adam', 'lion_contenders',
            'train_contenders', 'stream_contenders', 'clip_contenders', 'unclipped_contenders', 'train_step', 'Entry',
            'catalogue', 'catalogue_contenders', 'entry_missing', 'select', 'TORCHAO_LOWBIT', 'cbopt_lowbit', 'torchao_lowbit',
-           'lowbit_contenders']
+           'lowbit_contenders', 'compile_step_contenders']
 
 BACKENDS = ('fused', 'foreach', 'loop', 'auto')  # auto (the default) picks one of the others per bucket
 ADAM = dict(lr=1e-3, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01)
@@ -354,3 +354,19 @@ def lowbit_contenders(compiler: str = 'inductor') -> dict[str, Callable[[Named],
     fused = cbopt.Backend('fused', compiler=compiler)
     return {'cbopt 8bit fused': cbopt_lowbit('8bit', fused), 'cbopt fp32 fused': cbopt_lowbit('fp32', fused),
             'torchao AdamW8bit': torchao_lowbit('8bit')}
+
+
+# -- torch.compile(opt.step): the pairs of case 14 ---------------------------------------------------------------------
+def compile_step_contenders(compiler: str) -> dict[str, tuple[dict[str, Callable], str, str]]:
+    """Case 14's pairs, each step compiled by torch's compiled-optimizer recipe, `torch.compile(opt.step)` with
+    `compiler` (cbopt's step traced whole, `cbopt.engine.traced`): pair -> ({row: factory from named params to the
+    compiled step}, cbopt's row, the reference's row). cbopt's Adam against torch's AdamW in its foreach mode (the one
+    torch's compiled optimizers trace), cbopt's Lion against lion-pytorch's; the same hypers on both sides."""
+    kw = dict(lr=ADAM['lr'], betas=(ADAM['mom'], ADAM['sqr_mom']), eps=ADAM['eps'], weight_decay=ADAM['wd'])
+    step = lambda opt: torch.compile(opt.step, backend=compiler)
+    adam = {'cbopt Adam': lambda ps: step(cbopt.Adam(ps, **ADAM)),
+            'torch AdamW foreach': lambda ps: step(torch.optim.AdamW(_bare(ps), **kw, foreach=True))}
+    lion = {'cbopt Lion': lambda ps: step(cbopt.Lion(ps, **LION)),
+            'lion-pytorch': needs('lion_pytorch', lambda ps: step(_lion_pytorch(
+                ps, lr=LION['lr'], betas=(LION['mom'], LION['sqr_mom']), weight_decay=LION['wd'])))}
+    return {'adam': (adam, 'cbopt Adam', 'torch AdamW foreach'), 'lion': (lion, 'cbopt Lion', 'lion-pytorch')}

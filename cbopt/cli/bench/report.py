@@ -18,7 +18,8 @@ from .params import TOKENS
 
 __all__ = ['ADAM_BYTES', 'LION_BYTES', 'machine', 'fmt', 'table', 'adam_rows', 'lion_rows', 'train_rows', 'clip_rows',
            'in_backward_rows', 'CASE_TITLES', 'report', 'plot', 'write', 'fastest_ref', 'times_floor',
-           'catalogue_rows', 'catalogue_report', 'compile_report', 'LOWBIT_GOALS', 'lowbit_report']
+           'catalogue_rows', 'catalogue_report', 'compile_report', 'LOWBIT_GOALS', 'lowbit_report', 'compile_step_rows',
+           'compile_step_report']
 
 # fp32 bytes per element the algorithm must move: param read+write, grad read, and each state buffer read+write
 ADAM_BYTES, LION_BYTES = 4 * (2 + 1 + 2 + 2), 4 * (2 + 1 + 2)
@@ -164,6 +165,7 @@ def report(results: dict) -> str:
         out.append(f"**Optimizer state per rank** (cbopt.Adam, {res['world']} gloo processes; {res['tensors']:,} tensors, "
                    f"{res['numel']:,} params, {res['param_bytes'] / 1e6:.1f} MB of fp32 params)\n\n"
                    f"{table(*memory_rows(res))}{note}")
+    if 'compile_step' in results: out.append(compile_step_report(results['compile_step'], results['quick']))
     if 'catalogue' in results or 'compile' in results:
         if 'catalogue' in results:
             c = results['catalogue']
@@ -256,6 +258,38 @@ def compile_report(case: dict) -> str:
                            fmt(r['third_s']), r['graphs'],
                            r['fxgraph_cache_miss'], r['fxgraph_cache_hit']])
     return f"**Lion's first compile, fresh process** (`cbopt.Lion(..., backend='fused')`)\n\n{table(header, rows)}"
+
+
+# -- torch.compile(opt.step) (case 14) ------------------------------------------------------------------------------
+def compile_step_rows(part: dict) -> tuple[list[str], list[list[str]]]:
+    "One row per pair: each side's step time and compile time (with its graphs), and cbopt's over the reference's."
+    header = ['cbopt', 'reference', 'cbopt ms', 'reference ms', 'step ratio', 'cbopt compile s (graphs)',
+              'reference compile s (graphs)', 'compile ratio']
+    rows = []
+    for name, pair in part['pairs'].items():
+        if 'skipped' in pair:
+            rows.append([name, 'skipped: ' + '; '.join(pair['skipped'].values())] + [''] * (len(header) - 2))
+            continue
+        res, ours, ref = pair['results'], pair['ours'], pair['ref']
+        ms = [fmt(res[n].get('median_s') and res[n]['median_s'] * 1e3, '.3f') if 'error' not in res[n]
+              else res[n]['error'][:40] for n in (ours, ref)]
+        compiles = [f"{fmt(res[n].get('compile_s'), '.1f')} ({res[n].get('graphs', '-')})" for n in (ours, ref)]
+        rows.append([ours, ref, *ms, fmt(pair['step_ratio'], '.2f', 'x'), *compiles,
+                     fmt(pair['compile_ratio'], '.2f', 'x')])
+    return header, rows
+
+
+def compile_step_report(part: dict, quick: bool) -> str:
+    "Case 13's table, with what it timed and the pairs whose numerics differ."
+    gaps = {f"{n}: {row}": g for n, pair in part['pairs'].items() for row, g in pair.get('numerics_gap', {}).items()
+            if g > pair['tolerance']}
+    note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
+    which = 'the quick GPT-2 set' if quick else "GPT-2 small's set"
+    return (f"**`torch.compile(opt.step)`** ({which}: {part['tensors']:,} tensors, {part['numel']:,} params; "
+            f"`{part['compiler']}`, an empty inductor cache; ratios: cbopt's / the reference's, the step's the median "
+            f"of per-round ratios; compile: the first calls' wall time beyond as many steady steps, in this process, "
+            f"with the graphs dynamo compiled)\n\n"
+            f"{table(*compile_step_rows(part))}{note}")
 
 
 # -- the outputs ------------------------------------------------------------------------------------------------------
