@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / 'docs'
 BENCH_FILES = {'bench': 'bench.json', 'memory': 'bench_memory.json', 'whole_model': 'bench_whole_model.json',
                'groups': 'bench_groups.json', 'catalogue': 'bench_catalogue.json', 'compile': 'bench_compile.json',
-               'cuda': 'bench_cuda.json', 'compile_step': 'bench_compile_step.json'}
+               'cuda': 'bench_cuda.json', 'compile_step': 'bench_compile_step.json',
+               'compile_step_full': 'bench_compile_step_full.json'}
 MARK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", flags=re.S)
 
 # The catalogue: each prebuilt optimizer, what it is checked against, and how it is built. Defaults and state names are
@@ -115,12 +116,16 @@ def readme_compile_step_line() -> str:
     """The README's compiled-step line: `torch.compile(opt.step)` of cbopt's Adam and Lion against torch's compiled
     foreach AdamW and lion-pytorch's compiled step, from docs/bench_compile_step.json."""
     from .bench.report import fmt
-    if not (DOCS / BENCH_FILES['compile_step']).is_file(): return "Compiled-step numbers pending (`--only compile_step`)."
-    r = _bench('compile_step')
-    part, which = r['compile_step'], 'the quick GPT-2 set' if r['quick'] else "GPT-2 small's set"
-    pairs = [f"{p['ours']}, {fmt(p['step_ratio'])}x {p['ref']}'s step and {fmt(p['compile_ratio'])}x its compile time"
-             for p in part['pairs'].values() if 'skipped' not in p]
-    return f"`torch.compile(opt.step)` on {which} ({r['machine']['cpu']}, CPU): " + '; '.join(pairs) + '.'
+    runs = [_bench(name) for name in ('compile_step', 'compile_step_full') if (DOCS / BENCH_FILES[name]).is_file()]
+    if not runs: return "Compiled-step numbers pending (`--only compile_step`)."
+    lines = []
+    for r in runs:
+        which = 'the quick GPT-2 set' if r['quick'] else "GPT-2 small's set"
+        pairs = [f"{p['ours']} {fmt(p['step_ratio'])}x {p['ref']}'s step time, {fmt(p['compile_ratio'])}x its compile"
+                 for p in r['compile_step']['pairs'].values() if 'skipped' not in p]
+        lines.append(f"on {which}, " + ', '.join(pairs))
+    return (f"`torch.compile(opt.step)` ({runs[0]['machine']['cpu']}, CPU, one thread, loaded): " + '; '.join(lines)
+            + '.')
 
 
 def readme_gpu_line() -> str:
@@ -219,6 +224,7 @@ GENERATED = {
     'bench-cuda': lambda: bench_tables('cuda'),
     'readme-compile-step': readme_compile_step_line,
     'bench-compile-step': lambda: bench_tables('compile_step'),
+    'bench-compile-step-full': lambda: bench_tables('compile_step_full'),
 }
 
 
