@@ -223,17 +223,19 @@ def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
 
     monkeypatch.setattr(cpu_vec_isa, 'valid_vec_isa_list', listed)
     monkeypatch.setattr(cpu_vec_isa, 'KeptAnswer', KeptAnswer, raising=False)
-    monkeypatch.setattr(config.cpp, 'vec_isa_ok', None)
-    with _torch.trusted_cpu_isa():
-        listed(), bool(KeptAnswer())
-        assert config.cpp.vec_isa_ok is True
-    assert seen == [True] and config.cpp.vec_isa_ok is None
-    assert listed.cache_info().currsize == 0 and KeptAnswer.__bool__.cache_info().currsize == 0  # dropped
-    listed()  # made outside: kept through the block
-    with _torch.trusted_cpu_isa(): listed()
-    assert seen == [True, None] and listed.cache_info().currsize == 1
-    monkeypatch.setattr(config.cpp, 'vec_isa_ok', False)  # the user's (TORCHINDUCTOR_VEC_ISA_OK=0)
-    with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False
+    # (inductor's settings through its own `patch`: monkeypatch would undo one by deleting it, which hides the
+    # setting from inductor for the rest of the process)
+    with config.patch({'cpp.vec_isa_ok': None}):
+        with _torch.trusted_cpu_isa():
+            listed(), bool(KeptAnswer())
+            assert config.cpp.vec_isa_ok is True
+        assert seen == [True] and config.cpp.vec_isa_ok is None
+        assert listed.cache_info().currsize == 0 and KeptAnswer.__bool__.cache_info().currsize == 0  # dropped
+        listed()  # made outside: kept through the block
+        with _torch.trusted_cpu_isa(): listed()
+        assert seen == [True, None] and listed.cache_info().currsize == 1
+    with config.patch({'cpp.vec_isa_ok': False}):  # the user's (TORCHINDUCTOR_VEC_ISA_OK=0)
+        with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False
 
 
 def test_missing_static_address_compiles_the_step_with_its_tensors_as_inputs(monkeypatch):
