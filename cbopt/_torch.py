@@ -52,6 +52,10 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   tensors kept in its graph with an identity guard each, as torch's compiled optimizers keep theirs
   (`engine/traced.py`): the compiled call then neither checks their metadata nor takes them as arguments. Missing:
   the same graph, its tensors guarded and passed as inputs (slower calls).
+- inductor's CPU heuristic `StorageBox.should_realize_on_reuse` (not an API: a behaviour; 2.13), which computes a
+  value once, into a buffer, where it is broadcast or reused and its computation holds an `exp` (`computed_once`):
+  the traced step's bias corrections (float64 `pow`s of a count), which inductor would otherwise inline into each
+  param's loop and redo for each vector of elements. Changed: the same values, each computed per vector again.
 - `torch.optim.lbfgs._strong_wolfe` (`strong_wolfe`; 1.2): torch's strong-Wolfe line search, which `lbfgs` reuses.
   Missing: `line_search_fn='strong_wolfe'` is refused with a clear error before the step changes anything; without
   a line search L-BFGS works as before.
@@ -77,7 +81,7 @@ __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'c
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
-           'data_getter', 'dynamo_counters', 'static_address', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'static_address', 'computed_once', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -339,6 +343,23 @@ def static_address(t: torch.Tensor) -> None:
                       "each param's and state tensor's metadata at every call")
         return
     mark_static_address(t, guard=True)
+
+
+def computed_once(t: Any) -> Any:
+    """`t` (a 0-d tensor, or a `TensorList` of them) as values inductor computes once, before the loops over the
+    params' elements that read them: `where(t == t, t, exp(t))`, which is `t` bit for bit (NaN and inf too), holds an
+    `exp`, for which inductor's CPU code generator realizes a broadcast value into a buffer rather than inline its
+    computation into each loop (see the module docstring). A `TensorList`'s are stacked into one tensor for it (a few
+    graph ops per bucket, whatever its number of params; inductor has no lowering of `_foreach_exp`, which it would
+    run as a kernel of its own, after which the consumers inline the values' computation again). Anything else, a
+    tensor not on the CPU, or an eager call (where the mark would cost kernels) is returned as it is."""
+    if not torch.compiler.is_compiling(): return t
+    ts = list(t) if isinstance(t, list) else [t]
+    first = ts[0] if ts else None  # (one read for all: a bucket's are on one device; one per param, a graph op each)
+    if not (isinstance(first, torch.Tensor) and first.ndim == 0 and first.is_cpu): return t
+    s = torch.stack(ts)
+    s = torch.where(s == s, s, s.exp())
+    return type(t)(s.unbind()) if isinstance(t, list) else s[0]
 
 
 def dynamo_counters() -> Mapping:

@@ -425,3 +425,34 @@ def test_state_stays_the_same_tensors_and_a_rebound_entry_compiles_once():
     first = {id(p): dict(opt.state[p]) for p in model.parameters()}
     for _ in range(3): step()
     assert all(opt.state[p][k] is v for p in model.parameters() for k, v in first[id(p)].items())
+
+
+def _in_element_loops(code: str, needle: str) -> int:
+    "How many lines of inductor's C++ `code` hold `needle` inside a `for` loop (a loop over a param's elements)."
+    depth, loops, pending, found = 0, [], False, 0
+    for line in code.splitlines():
+        if needle in line and loops: found += 1
+        if 'for(' in line: pending = True
+        for ch in line:
+            if ch == '{':
+                depth += 1
+                if pending: loops.append(depth)
+                pending = False
+            elif ch == '}':
+                if loops and loops[-1] == depth: loops.pop()
+                depth -= 1
+    return found
+
+
+def test_inductor_computes_the_bias_corrections_once_and_steps_as_eager():
+    """With inductor (torch.compile's default), the traced Adam step computes its float64 bias corrections once per
+    param, before the loops over its elements (`_torch.computed_once`), not for each vector of them, and still steps
+    within 1e-6 of the eager step over 12 steps."""
+    from torch._inductor.utils import run_and_get_code
+    def make(ps, lr): return cbopt.Adam(ps, lr=lr, wd=0.01)
+    (model, _), codes = run_and_get_code(run, make, torch.tensor(1e-2), compiler='inductor')
+    assert graphs() == 1
+    ref, _ = run(make, torch.tensor(1e-2), compiled=False)
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()))
+    code = '\n'.join(codes)
+    assert code.count('std::pow') >= 2 and _in_element_loops(code, 'std::pow') == 0, code

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._torch import computed_once
 from ..core.chain import copy_of_param, zeros
 
 __all__ = ['negate_grad', 'weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
@@ -150,7 +151,10 @@ step_stat.sparse_grads = True  # (it reads no grad)
 
 def debias(mom: float, damp: float, step: int) -> float:
     "Bias correction of a moving average with `mom` after `step` steps."
-    return damp * (1 - mom ** step) / (1 - mom)
+    res = damp * (1 - mom ** step) / (1 - mom)
+    # a count as a tensor (the traced step's, float64): the correction computed once per param, not per vector of its
+    # elements, where inductor would inline its `pow` into the param's loop
+    return res if isinstance(step, (int, float)) else computed_once(res)
 
 
 def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, max_sqr_avg=None, **kwargs):
