@@ -400,8 +400,10 @@ def test_fused_on_meta_params_raises_as_torch(name):
         with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
             opt.step()
         opt.zero_grad(set_to_none=True)
-        model.to_empty(device='cpu')
-        for p in model.parameters(): p.grad = torch.rand_like(p)
+        model.to_empty(device='cpu')  # (uninitialised memory: values given, as a real model would load them)
+        for p in model.parameters():
+            with torch.no_grad(): p.copy_(torch.linspace(-1., 1., p.numel()).view_as(p))
+            p.grad = torch.rand_like(p)
         opt.step()
         assert all(torch.isfinite(p).all() for p in model.parameters())
 
