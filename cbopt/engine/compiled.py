@@ -33,11 +33,16 @@ from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chu
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
-__all__ = ['float64_scalars_on_gpu', 'device_failed', 'CompileFailed', 'compiled_chain', 'compiled_bucket', 'fused_bucket',
+__all__ = ['is_float64_0d', 'float64_scalars_on_gpu', 'device_failed', 'CompileFailed', 'compiled_chain', 'compiled_bucket', 'fused_bucket',
            'float64_0d_copies']
 
 
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
+
+
+def is_float64_0d(v) -> bool:
+    "Whether `v` is a 0-d float64 tensor: a running number in state (schedule-free's sums, NAdam's `mu_product`)."
+    return isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64
 
 
 def float64_0d_copies(ts: Mapping) -> dict:
@@ -46,8 +51,7 @@ def float64_0d_copies(ts: Mapping) -> dict:
     of dynamo's own tensorified Python floats: `m.mul_(x)`, `m.add_(x)`, `m.copy_(y)` alike, on CPU; NAdam's
     `mu_product` on float64 params), while a copy's update comes back as a new state entry, which the engine writes
     back as it does any rebound entry."""
-    return {k: v.clone() for k, v in ts.items()
-            if isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64}
+    return {k: v.clone() for k, v in ts.items() if is_float64_0d(v)}
 
 
 def _fused_chain_fn(cbs, name: str, stored: Mapping | None = None) -> Callable:
@@ -100,8 +104,7 @@ def float64_scalars_on_gpu(b: Bucket) -> bool:
     """Whether `b`'s params are on an accelerator and their state holds 0-d float64 tensors (schedule-free's weight
     sums, NAdam's `mu_product`). An H200 run (torch 2.11) found the compiled schedule-free AdamW 0.05 off the CPU loop
     after 20 steps where foreach follows it to 1e-7: until a GPU run finds the cause, such chains run foreach there."""
-    return b.params[0].device.type != 'cpu' and any(
-        isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64 for v in b.states[0].values())
+    return b.params[0].device.type != 'cpu' and any(map(is_float64_0d, b.states[0].values()))
 
 
 def device_failed(e: BaseException) -> bool:

@@ -49,7 +49,7 @@ from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
 from ..core.tensorlist import TensorList
 from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
-from .compiled import float64_0d_copies
+from .compiled import float64_0d_copies, is_float64_0d
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
 
@@ -204,7 +204,7 @@ def traced_step(opt) -> None:
 
 def _kept(t: Any) -> bool:
     "Whether `t` is a state tensor `prepare` marks static (all but 0-d float64 ones, which the step hands copies of)."
-    return isinstance(t, torch.Tensor) and not (t.ndim == 0 and t.dtype == torch.float64)
+    return isinstance(t, torch.Tensor) and not is_float64_0d(t)
 
 
 def _in_place(before: Mapping, after: dict) -> None:
