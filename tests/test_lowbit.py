@@ -203,16 +203,18 @@ def test_backends_agree(fmt):
 def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
     """After the first (eager) step, the fused backend dequantizes, steps and quantizes in its compiled graph: the
     engine never unpacks the state to fp32 eagerly, no compile falls back, and params and codes follow the loop's
-    (sizes that are no multiple of the block: padded in the graph too)."""
+    (sizes that are no multiple of the block, padded in the graph too, and one of whole blocks: its graph pads
+    nothing)."""
     import cbopt.engine.lowbit as engine_lowbit
     unpacked = []
     monkeypatch.setattr(engine_lowbit, 'unpack', lambda st, p, plan: (unpacked.append(p), lowbit.unpack(st, p, plan)))
     out = {}
     for backend in ('loop', 'fused'):
         torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(64, 101), nn.ReLU(), nn.Linear(101, 70))
+        m = nn.Sequential(nn.Linear(64, 101), nn.ReLU(), nn.Linear(101, 70), nn.ReLU(), nn.Linear(70, 128))
         opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
                               state_precision=fmt, backend=cbopt.Backend(backend, compiler='aot_eager'))
+        assert m[4].weight.numel() % 256 == 0  # (whole blocks in every format)
         with warnings.catch_warnings():
             warnings.simplefilter('error')  # (a chain that did not compile warns)
             _train(opt, m, 1)
@@ -222,7 +224,7 @@ def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
     (m0, o0, n0), (m, o, n) = out['loop'], out['fused']
     assert n0 > 0 and n == 0  # (the loop unpacks at every step)
     for p0, p in zip(m0.parameters(), m.parameters()): torch.testing.assert_close(p, p0, rtol=1e-6, atol=1e-7)
-    for w0, w in ((m0[0].weight, m[0].weight), (m0[2].weight, m[2].weight)):
+    for w0, w in ((m0[0].weight, m[0].weight), (m0[2].weight, m[2].weight), (m0[4].weight, m[4].weight)):
         st0, st = o0.state[w0], o.state[w]
         assert list(st) == list(st0) and all(getattr(st[k], 'shape', 0) == getattr(st0[k], 'shape', 0) for k in st0)
         for k in st0:

@@ -100,7 +100,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     "`x` flattened in fp32, padded with zeros to whole blocks, as a (blocks, block) matrix."
     flat = x.detach().reshape(-1).float()
     pad = n_blocks(flat.numel(), block) * block - flat.numel()
-    if torch.compiler.is_compiling() or pad:  # (compiled: always padded, as a test of a size specialises the graph)
+    if pad:  # (compiled: a guard, so at most two graphs; whole blocks, nearly every weight's, need no masked loads)
         flat = torch.nn.functional.pad(flat, (0, pad))
     return flat.view(-1, block)
 
@@ -108,12 +108,15 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 class CodeTable(NamedTuple):
     """A sorted map's round-to-nearest as a table lookup (`code_table`): an element's code is `base[i] + (key >=
     next_key[i])`, where `key` is its fp32 bits as an ordered int32 (`order_key`) and `i = (key - lo) >> shift`, a
-    bucket of keys that holds at most one of the map's rounding thresholds. Two gathers from small tables, where a
-    binary search over the map (torchao's, or `torch.bucketize`) takes 8 dependent steps per element."""
+    bucket of keys that holds at most one of the map's rounding thresholds. `packed` holds both in one int32 per
+    bucket, `base << 24 | off` with `off` the next threshold's distance from the bucket's first key (at most the
+    bucket's width): one gather per element (`nearest_codes`), where a binary search over the map (torchao's, or
+    `torch.bucketize`) takes 8 dependent steps per element."""
     shift: int
     lo: int
     base: torch.Tensor      # uint8: how many thresholds lie at or below the bucket's first key
     next_key: torch.Tensor  # int32: the key of the next threshold above the bucket's first key (int32 max if none)
+    packed: torch.Tensor    # int32: base << 24 | min(next_key - the bucket's first key, 2**shift)
 
 
 def thresholds(m: torch.Tensor) -> torch.Tensor:
@@ -149,32 +152,47 @@ def code_table(fmt: str, signed: bool, device: torch.device | str = 'cpu') -> Co
     if key not in _TABLES:
         m = qmap(fmt, signed)
         keys = order_key(thresholds(m).view(torch.int32))
-        shift = int(keys.diff().min()).bit_length() - 1  # a bucket is narrower than any two thresholds' distance
+        # a bucket is narrower than any two thresholds' distance, and its offsets fit `packed`'s 24 bits
+        shift = min(int(keys.diff().min()).bit_length() - 1, 23)
         lo = int(order_key(torch.tensor([-1.0 if signed else 0.0]).view(torch.int32)))
         n = ((int(order_key(torch.tensor([1.0]).view(torch.int32))) - lo) >> shift) + 1
         starts = lo + (torch.arange(n, dtype=torch.int64) << shift)
         base = torch.searchsorted(keys.long(), starts, right=True)
         next_key = torch.cat([keys, torch.tensor([torch.iinfo(torch.int32).max], dtype=torch.int32)])[base]
-        _TABLES[key] = CodeTable(shift, lo, base.to(torch.uint8).to(device), next_key.to(device))
+        off = (next_key.long() - starts).clamp(max=1 << shift)
+        packed = ((base << 24) | off).to(torch.int32)  # (base < 256: a negative int32 where base >= 128)
+        _TABLES[key] = CodeTable(shift, lo, base.to(torch.uint8).to(device), next_key.to(device), packed.to(device))
     return _TABLES[key]
 
 
 def nearest_codes(x: torch.Tensor, fmt: str, signed: bool, in_place: bool = False) -> torch.Tensor:
     """The uint8 code of the value of `qmap(fmt, signed)` nearest to each element of the fp32 tensor `x` (in [-1, 1];
-    a tie goes up, as torchao's), by `code_table`. `in_place`: `x` is scratch, and its memory is reused (eager: the
-    fewest allocations); else only out-of-place ops, which `torch.compile` fuses into one loop."""
+    a tie goes up, as torchao's), by `code_table`'s `packed` table: the key's distance from the table's first key,
+    clamped to the table (a key below it is in the first bucket, one above in the last, where `base + (key >=
+    next_key)` puts them too), gives the bucket (its high bits) and the offset compared with the bucket's next
+    threshold (its low bits). `in_place`: `x` is scratch, and its memory is reused (eager: the fewest allocations);
+    else only out-of-place ops, which `torch.compile` fuses into one loop, its gather in int32 (`_gather`)."""
     t = code_table(fmt, signed, x.device)
-    n = t.base.numel()
+    top, low = (t.packed.numel() << t.shift) - 1, (1 << t.shift) - 1
     bits = x.view(torch.int32)
     if not in_place:
-        key = order_key(bits)
-        i = ((key - t.lo) >> t.shift).clamp(0, n - 1)
-        return t.base[i] + (key >= t.next_key[i]).to(torch.uint8)
+        d = (order_key(bits) - t.lo).clamp(0, top)
+        e = _gather(t.packed, d >> t.shift)
+        return (((e >> 24) & 0xFF) + ((d & low) >= (e & 0xFFFFFF)).int()).to(torch.uint8)
     s = bits >> 31
-    key = bits.__ixor__(s.__iand__(0x7FFFFFFF))
-    i = torch.sub(key, t.lo, out=s).__irshift__(t.shift).clamp_(0, n - 1).view(-1)
-    codes = t.base.index_select(0, i).view(x.shape)
-    return codes.add_(torch.ge(key, t.next_key.index_select(0, i).view(x.shape)).view(torch.uint8))
+    d = bits.__ixor__(s.__iand__(0x7FFFFFFF)).sub_(t.lo).clamp_(0, top)
+    e = t.packed.index_select(0, torch.bitwise_right_shift(d, t.shift, out=s).view(-1)).view(x.shape)
+    codes = torch.ge(d.__iand__(low), e & 0xFFFFFF).view(torch.uint8)
+    return codes.add_((e.__irshift__(24).__iand__(0xFF)).to(torch.uint8))
+
+
+def _gather(table: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """`table[i]` for the int32 indices `i` (in range by construction). Compiled, as an embedding lookup, which
+    inductor indexes with the int32 indices as they are (`table[i]` and `index_select` add a wrap of negative indices
+    in int64 vectors: a third of the compiled low-bit step's time on a CPU); eagerly, `index_select`."""
+    if torch.compiler.is_compiling():
+        return torch.nn.functional.embedding(i, table[:, None]).view(i.shape)
+    return table.index_select(0, i.reshape(-1)).view(i.shape)
 
 
 def quantize(x: torch.Tensor, fmt: str, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,9 +220,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool,
     if fmt == 'fp8': values = codes.float()
     else:
         if fmt == '4bit': codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-        values = qmap(fmt, signed, codes.device).index_select(0, codes.int())  # (index_select: a fast gather)
+        values = _gather(qmap(fmt, signed, codes.device), codes.int())
     # (`scale.numel()` blocks, not -1: then a compiled graph knows both sides' sizes are one, and needs no broadcast)
-    return values.view(scale.numel(), f.block).mul_(scale[:, None]).view(-1)[:numel].to(dtype)
+    values = values.view(scale.numel(), f.block).mul_(scale[:, None]).view(-1)
+    # (whole blocks: not sliced, a guard in a compiled graph, whose chain would else update a slice of a larger
+    # buffer, every element of its loops masked)
+    return (values if values.numel() == numel else values[:numel]).to(dtype)
 
 
 def bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
