@@ -304,13 +304,15 @@ class Optimizer(torch.optim.Optimizer):
 
     def init_state(self) -> None:
         """Create the state of every param that has none, as it is before a first step (so training on is exactly as
-        without this call), from the callbacks' declarations; for a chain with an undeclared (fastai-style) callback,
-        as a first step with a zero grad leaves it, computed on a copy: the entries to load a checkpoint into, not the
-        values before a first step (training on then differs). No param changes."""
+        without this call), from the callbacks' declarations; an entry that a param's first step creates
+        (`chain.at_first_step`: torch SGD's momentum buffer with dampening, a copy of the first grad) as its template,
+        zeros, and a chain with an undeclared (fastai-style) callback as a first step with a zero grad leaves it,
+        computed on a copy: the entries to load a checkpoint into, but not the values before a first step (training on
+        counts such a buffer as started, as torch's SGD does after DCP's init step). No param changes."""
         for g in self.param_groups:
             for p in g['params']:
                 if not split_flags(param_states(self).get(p, {}))[0]:
-                    param_states(self)[p].update(initial_state(self, p, g))
+                    param_states(self)[p].update(initial_state(self, p, g, template=True))
                     lowbit_pack(param_states(self)[p], p, lowbit_plan(g, p), stochastic=False)  # (low-bit: as stored)
         engine.init_model_state(self)
 

@@ -105,7 +105,7 @@ def check_callback(cbs: Callable | Iterable[Callable] | None = None, *, opt_func
     ref_ps = _flat(ref_groups)
     # declared state is what the chain creates (the first mismatch is reported)
     for g, p in [(g, p) for g in ref.param_groups if is_declared(g['cbs']) for p in g['params']]:
-        declared = init_chain_state(g['cbs'], p)
+        declared = init_chain_state(g['cbs'], p, template=True)
         made = {k: v for k, v in split_flags(ref.state[p])[0].items() if k not in transient_keys(g['cbs'])}
         bad = [k for k, v in declared.items() if k in made and torch.is_tensor(v) and (v.shape, v.dtype) != (made[k].shape, made[k].dtype)]
         if set(declared) != set(made): report.failures.append(f"the chain declares the state {sorted(declared)} but creates {sorted(made)}")

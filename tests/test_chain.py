@@ -128,14 +128,33 @@ def test_declared_state_is_what_the_chain_creates():
     assert chain.init_chain_state(adamw_chain(), p).keys() == {'grad_avg', 'sqr_avg', 'step'}
     st = chain.init_chain_state(cbopt.lookahead(SGD_MOM), p)
     assert torch.equal(st['slow_p'], p) and st['la_step'] == 0 and not st['grad_avg'].any()
-    assert chain.is_declared(adamw_chain()) and not chain.is_declared([cbopt.dampened_grad_avg, cbopt.momentum_step])
+    assert chain.is_declared(adamw_chain()) and not chain.is_declared([_fastai_momentum, cbopt.momentum_step])
+
+
+def _fastai_momentum(p, mom, grad_avg=None, **kwargs):
+    "A fastai-style callback: it declares nothing (its state is found by a dry run)."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.grad)
+    grad_avg.mul_(mom).add_(p.grad)
+    return {'grad_avg': grad_avg}
+
+
+def test_an_entry_made_by_the_first_step():
+    """torch SGD's dampened momentum buffer (`at_first_step`): absent before the first step, as in torch's state, so
+    the first step keeps the grad whole; its template (zeros) where a checkpoint's entries are asked for."""
+    p = torch.randn(3, 2)
+    cbs = [cbopt.dampened_grad_avg, cbopt.momentum_step]
+    assert chain.is_declared(cbs) and chain.chain_scope(cbs) == 'element'
+    assert chain.init_chain_state(cbs, p) == {}
+    st = chain.init_chain_state(cbs, p, template=True)
+    assert st.keys() == {'grad_avg'} and st['grad_avg'].shape == p.shape and not st['grad_avg'].any()
+    with pytest.raises(TypeError, match='initializer'): chain.at_first_step(0.)
 
 
 def test_scopes():
     assert chain.chain_scope(adamw_chain()) == 'element'
     assert chain.chain_scope(cbopt.adam_chain(cbopt.lamb_step)) == 'tensor'
     assert chain.chain_scope([cbopt.larc_layer_lr, cbopt.larc_step]) == 'tensor'
-    assert chain.chain_scope([cbopt.dampened_grad_avg, cbopt.momentum_step]) is None  # undeclared: unknown
+    assert chain.chain_scope([_fastai_momentum, cbopt.momentum_step]) is None  # undeclared: unknown
     def bad(p, **kw): pass
     bad.state, bad.scope = {}, 'row'
     with pytest.raises(ValueError, match="callback 'bad' declares scope 'row'"): cbopt.Optimizer([torch.zeros(1, requires_grad=True)], [bad])

@@ -310,10 +310,16 @@ def _user_chain():
     ('adan', lambda prec: lambda ps: cbopt.Optimizer(ps, cbopt.Adan(nn.Linear(1, 1).parameters()).cbs, lr=3e-3, mom=0.98,
                                                       diff_mom=0.92, sqr_mom=0.99, eps=1e-8, wd=0., state_precision=prec)),
     ('user', lambda prec: lambda ps: cbopt.Optimizer(ps, _user_chain(), lr=1e-3, mom=0.9, wd=0., state_precision=prec)),
+    ('sgd-dampening', lambda prec: lambda ps: cbopt.optim.SGD(ps, lr=3e-2, momentum=0.9, dampening=0.5,
+                                                              state_precision=prec)),
 ])
 def test_other_chains_converge_in_8bit_like_fp32(name, make):
-    "Lion, Adan and a user's chain reach the fp32 run's loss (within 10%) with 8-bit state on a small regression."
-    fp32, q8 = _regression(make('fp32')), _regression(make('8bit'))
+    """Lion, Adan, a user's chain and torch's SGD with dampening (whose momentum buffer its first step creates: the
+    grad, stored in 8-bit from then on) reach the fp32 run's loss (within 10%) with 8-bit state on a small regression,
+    with no warning (every entry has a kind)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        fp32, q8 = _regression(make('fp32')), _regression(make('8bit'))
     start = _regression(make('fp32'), steps=0)
     assert fp32 < 0.5 * start
     assert abs(q8 - fp32) <= 0.1 * fp32 + 1e-3, (fp32, q8)
@@ -440,6 +446,37 @@ def test_torch_names_for_low_bit_state():
     again.load_state_dict(_saved(sd))
     w = again.param_groups[0]['params'][0]
     assert torch.equal(again.state[w]['grad_avg.codes'], q.state[m[0].weight]['grad_avg.codes'])
+
+
+@pytest.mark.parametrize('backend', ['loop', 'foreach', 'fused'])
+def test_sgd_dampening_buffer_is_the_first_grad_then_stored_low_bit(backend):
+    """torch's SGD with dampening keeps the first grad whole as its momentum buffer (`at_first_step`): in 8-bit the
+    first step is torch's bit for bit (the step uses the fp32 buffer, quantized after), the buffer is then stored as
+    codes under torch's names (`momentum_buffer.codes`, no other entry), dequantized within the map's error of
+    torch's buffer, and its fp32 form loads into torch's SGD, which steps on from it."""
+    kw = dict(lr=3e-2, momentum=0.9, dampening=0.5, weight_decay=0.01)
+    m, ref_m = _model(), _model()
+    ours = cbopt.optim.SGD(m.parameters(), **kw, state_precision='8bit', min_quantize_size=1)
+    ours.backend = backend
+    ref = torch.optim.SGD(ref_m.parameters(), **kw, foreach=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        _train(ours, m, 1)
+    _train(ref, ref_m, 1)
+    for p, q in zip(m.parameters(), ref_m.parameters()): assert torch.equal(p, q)
+    sd = ours.state_dict()
+    for i, q in enumerate(ref_m.parameters()):
+        assert set(sd['state'][i]) == {'momentum_buffer.codes', 'momentum_buffer.absmax'}
+        buf = ours.state_dict(dequantize=True)['state'][i]['momentum_buffer']
+        want = ref.state[q]['momentum_buffer']  # (the grad: the first step keeps it whole)
+        torch.testing.assert_close(buf, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+        assert (buf - want).abs().max() < (buf - (1 - kw['dampening']) * want).abs().max()
+    twin_m = _model()
+    twin_m.load_state_dict(m.state_dict())
+    twin = torch.optim.SGD(twin_m.parameters(), **kw, foreach=False)
+    twin.load_state_dict(ours.state_dict(dequantize=True))
+    _train(ours, m, 2, seed=2), _train(twin, twin_m, 2, seed=2)  # (the same fp32 buffer, stored anew at each step)
+    for p, q in zip(m.parameters(), twin_m.parameters()): torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize('corrupt,match', [

@@ -43,9 +43,8 @@ def test_every_builtin_callback_has_a_valid_spec(cb):
     s = spec(cb)
     assert isinstance(s, CallbackSpec) and s.name == cb.__name__
     cbopt.core.chain.check_chain([cb])
-    # every built-in declares the state it creates (no dry run), but torch's SGD momentum, whose first value is the grad
-    assert s.declared == (cb is not cbopt.dampened_grad_avg)
-    assert s.scope in SCOPES if s.declared else s.scope is None
+    # every built-in declares the state it creates (no dry run): torch's SGD momentum too, created by its first step
+    assert s.declared and s.scope in SCOPES
     # what each declares is what cbopt reads: the attributes, as they are
     for field in DECLARATIONS:
         if field in ('_defaults', 'scope') or not hasattr(cb, field): continue

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import computed_once
-from ..core.chain import copy_of_param, zeros
+from ..core.chain import at_first_step, copy_of_param, zeros
 
 __all__ = ['negate_grad', 'weight_decay', 'l2_reg', 'average_grad', 'dampened_grad_avg', 'average_sqr_grad', 'amsgrad_max', 'momentum_step',
            'nesterov_step', 'sgd_step', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'radam_step',
@@ -77,11 +77,14 @@ average_grad.state_kinds = dict(grad_avg='signed')
 
 
 def dampened_grad_avg(p, mom, dampening=0., grad_avg=None, **kwargs):
-    "torch.optim.SGD's momentum buffer: the first step keeps the grad, later ones compute `mom*avg + (1-dampening)*grad`."
+    """torch.optim.SGD's momentum buffer: the first step keeps the grad, later ones compute `mom*avg + (1-dampening)*grad`.
+    Its first step is told by the buffer's absence, as in torch (`at_first_step`: no zero buffer could stand for it)."""
     if grad_avg is None: return {'grad_avg': p.grad.data.clone()}
     grad_avg.mul_(mom).add_(p.grad.data, alpha=1 - dampening)
     return {'grad_avg': grad_avg}
 dampened_grad_avg.defaults = dict(mom=0.9, dampening=0.)
+dampened_grad_avg.state = dict(grad_avg=at_first_step(zeros))  # (created by the first step: absent before, as torch's)
+dampened_grad_avg.state_kinds = dict(grad_avg='signed')
 
 
 def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):

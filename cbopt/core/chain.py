@@ -21,7 +21,7 @@ from .spec import SCOPES, cb_name, spec, unwrap
 
 __all__ = ['run_chain', 'cb_name', 'cb_defaults', 'chain_defaults', 'chain_reads', 'chain_sig', 'chain_name', 'declared_state',
            'is_declared', 'is_cbopts', 'transient_keys', 'scope', 'chain_scope', 'init_chain_state', 'check_chain', 'check_returns',
-           'zeros', 'copy_of_param', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
+           'zeros', 'copy_of_param', 'at_first_step', 'declared_for', 'per_tensor', 'SCOPES', 'is_model_cb', 'split_chain', 'param_chain',
            'model_param_state', 'model_key', 'around_params', 'chain_counters', 'cached', 'chain_group_hypers']
 
 ENGINE_KEYS = ('skip', 'hypers', 'grad_scale', 'grad_scale_in_place')  # what a whole-model callback may return to the engine, beside its state
@@ -242,13 +242,34 @@ def copy_of_param(p) -> torch.Tensor:
     return p.data.clone()
 
 
-def init_chain_state(cbs: Iterable[Callable], p) -> dict:
+class at_first_step:
+    """A declared state entry that a param's first step creates, absent before it: torch.optim.SGD's momentum buffer
+    with dampening is a copy of the first grad (later steps weigh grads by `1 - dampening`), which no value set before
+    that step can stand for, and torch's state has no entry saying whether it was set. So its callback tells its first
+    step by the entry's absence (`grad_avg is None`), as torch's SGD does, and the entry needs no flag beside it (a
+    checkpoint stays torch's: `momentum_buffer` alone). `init(p)` gives its template, the tensor a checkpoint holds
+    for it (shape, dtype, kind: low-bit state stores it as any other entry): `init_chain_state(template=True)`."""
+    def __init__(self, init: Callable):
+        if not callable(init): raise TypeError(f"at_first_step takes an initializer (a function of the param), got {init!r}")
+        self.init = init
+
+    def __call__(self, p) -> torch.Tensor:
+        "The entry's template for `p`."
+        return self.init(p)
+
+    def __repr__(self) -> str: return f"at_first_step({getattr(self.init, '__name__', self.init)!r})"
+
+
+def init_chain_state(cbs: Iterable[Callable], p, template: bool = False) -> dict:
     """The state a declared chain holds for `p` before its first step. An initializer giving None keeps no such entry
-    for `p` (state kept by rank: Adafactor's factored moments for matrices, a full one for vectors)."""
+    for `p` (state kept by rank: Adafactor's factored moments for matrices, a full one for vectors); an entry its first
+    step creates (`at_first_step`) is absent, unless `template`: then it is its template, so that the result names
+    every entry a stepped param holds, with its shape and dtype (what a checkpoint is loaded into: `init_state()`,
+    loads, `check_callback`)."""
     out = {}
     for cb in cbs:
         for k, v in (declared_state(cb) or {}).items():
-            if k in out: continue
+            if k in out or (isinstance(v, at_first_step) and not template): continue
             v = v(p) if callable(v) else v
             if v is not None: out[k] = v
     return out

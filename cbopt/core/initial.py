@@ -17,16 +17,17 @@ if TYPE_CHECKING: from ..optimizer import Optimizer
 __all__ = ['initial_state', 'chain_initial_state']
 
 
-def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping) -> dict:
+def initial_state(opt: Optimizer, p: torch.Tensor, group: Mapping, template: bool = False) -> dict:
     """The state `group`'s chain keeps for `p` before its first step (see `chain_initial_state`), with `p`'s flags."""
-    return chain_initial_state(group['cbs'], p, Hypers(group), split_flags(param_states(opt).get(p, {}))[1])
+    return chain_initial_state(group['cbs'], p, Hypers(group), split_flags(param_states(opt).get(p, {}))[1], template)
 
 
-def chain_initial_state(cbs: list, p: Any, hyper: Mapping, flags: Mapping | None = None) -> dict:
+def chain_initial_state(cbs: list, p: Any, hyper: Mapping, flags: Mapping | None = None, template: bool = False) -> dict:
     """The state a chain keeps for `p` (a param or a stand-in): as declared by its callbacks (the values before a
-    first step), or, for a chain with an undeclared (fastai-style) callback, what a first step with a zero grad
-    creates, computed on a copy of `p`."""
-    if is_declared(cbs): return init_chain_state(cbs, p)
+    first step; with `template`, also the entries a first step creates, `chain.at_first_step`, as their templates:
+    every entry a checkpoint holds), or, for a chain with an undeclared (fastai-style) callback, what a first step
+    with a zero grad creates, computed on a copy of `p` (a template too)."""
+    if is_declared(cbs): return init_chain_state(cbs, p, template)
     model = init_chain_state([cb for cb in cbs if cb not in param_chain(cbs)], p)  # whole-model callbacks declare theirs
     cbs = param_chain(cbs)
     with torch.no_grad():

@@ -7,8 +7,9 @@ style is how users declare; `spec(cb)` is how cbopt reads it, checked, into a `C
 
 - `cb.defaults = dict(mom=0.9)`: the hypers it reads, with their defaults (fastai's `cb._defaults` too);
 - `cb.state = dict(grad_avg=zeros, step=0)`: the state it creates, each entry's value before the first step (a
-  number, or a function of the param giving a tensor, or None where a param keeps no such entry). A callback that
-  creates nothing declares `cb.state = {}`. Declared state is created by `init_chain_state` with no dry run (what
+  number, or a function of the param giving a tensor, or None where a param keeps no such entry; or
+  `chain.at_first_step(init)` for an entry that the param's first step creates, absent before it: torch SGD's
+  dampened momentum buffer, a copy of the first grad). A callback that creates nothing declares `cb.state = {}`. Declared state is created by `init_chain_state` with no dry run (what
   `Optimizer.init_state`, the functional `init` and distributed checkpoints need). A chain with an undeclared callback
   (fastai's style: no `state`) falls back to a dry run on a copy;
 - `cb.state_kinds = dict(grad_avg='signed', step='exact')`: what each state entry is (`STATE_KINDS`), so that low-bit

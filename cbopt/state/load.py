@@ -266,7 +266,7 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
                 expected = {key: v for key, v in cur.items() if key not in foreign}
             else:
                 key = (gi, p.shape, p.dtype, p.device, tuple(sorted(flags.items())))
-                if key not in expected_cache: expected_cache[key] = initial_state(opt, p, g)
+                if key not in expected_cache: expected_cache[key] = initial_state(opt, p, g, template=True)
                 expected = expected_cache[key]
             if ck.origin == 'torch':
                 saved = {key: v for key, v in saved.items() if key in expected or key not in TORCH_OPTIONAL_STATE}
@@ -311,7 +311,7 @@ def prepare_load(opt: Optimizer, sd: Any) -> tuple[dict, list]:
 
 def _chain_keys(opt: Optimizer, p: torch.Tensor, g: Mapping) -> set:
     "The state entries `g`'s chain keeps for `p` (as declared, or as a first step creates them): its algorithm's."
-    return set(initial_state(opt, p, g))
+    return set(initial_state(opt, p, g, template=True))
 
 
 def _carried(value: Any, p: torch.Tensor) -> Any:
