@@ -22,7 +22,7 @@ DOCS = ROOT / 'docs'
 BENCH_FILES = {'bench': 'bench.json', 'memory': 'bench_memory.json', 'whole_model': 'bench_whole_model.json',
                'groups': 'bench_groups.json', 'catalogue': 'bench_catalogue.json', 'compile': 'bench_compile.json',
                'cuda': 'bench_cuda.json', 'compile_step': 'bench_compile_step.json',
-               'compile_step_full': 'bench_compile_step_full.json'}
+               'compile_step_full': 'bench_compile_step_full.json', 'lowbit': 'bench_lowbit.json'}
 MARK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", flags=re.S)
 
 # The catalogue: each prebuilt optimizer, what it is checked against, and how it is built. Defaults and state names are
@@ -161,6 +161,25 @@ def bench_tables(name: str) -> str:
     return f"Device: {machine_line(results)}\n\n{text}"
 
 
+def lowbit_line() -> str:
+    """The low-bit numbers in one sentence, each against issue #33's goal (`LOWBIT_GOALS`, the step and first-steps
+    ratios), from docs/bench_lowbit.json: the performance page's summary of the low-bit guide's tables."""
+    from .bench.contenders import TORCHAO_LOWBIT
+    from .bench.report import LOWBIT_GOALS, fmt
+    if not (DOCS / BENCH_FILES['lowbit']).is_file(): return "Low-bit numbers pending (`--only lowbit`)."
+    r = _bench('lowbit')
+    case, where = r['lowbit'], "GPT-2 small's set" if r['lowbit']['size'] == 1 else \
+        f"the GPT-2 set at {r['lowbit']['size']:g} of GPT-2 small's width"
+    b, q = case['bytes_per_param'], case['ratios']
+    mem = ', '.join(f"{prec} {fmt(b.get(f'cbopt {prec}'), '.2f')} (goal {LOWBIT_GOALS[prec]:.2f}, torchao "
+                    f"{fmt(b.get(f'torchao {TORCHAO_LOWBIT[prec]}'), '.2f')})" for prec in LOWBIT_GOALS)
+    return (f"On {where} ({case['numel']:,} params; {r['machine']['cpu']}, CPU, {r['machine']['torch_threads']} "
+            f"thread{'s' * (r['machine']['torch_threads'] != 1)}, loaded): state bytes per param {mem}; the 8-bit fused "
+            f"step {fmt(q['step_over_torchao'], '.2f', 'x')} torchao's AdamW8bit (goal < 1x) and "
+            f"{fmt(q['step_over_fp32'], '.2f', 'x')} cbopt's fp32 fused step (goal <= 1.5x), its first steps "
+            f"{fmt(q['first_steps_over_torchao'], '.2f', 'x')} torchao's (goal <= 0.5x).")
+
+
 # The API page's sections: the package each of cbopt's public names comes from, in this order.
 API_SECTIONS = {
     'cbopt.optimizer': 'The optimizer', 'cbopt.core': 'Chains, hypers and tensor lists', 'cbopt.engine': 'Backends',
@@ -225,6 +244,8 @@ GENERATED = {
     'readme-compile-step': readme_compile_step_line,
     'bench-compile-step': lambda: bench_tables('compile_step'),
     'bench-compile-step-full': lambda: bench_tables('compile_step_full'),
+    'bench-lowbit': lambda: bench_tables('lowbit'),
+    'lowbit-line': lowbit_line,
 }
 
 
