@@ -234,6 +234,85 @@ def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
                 assert (a - b).abs().max() <= 1
 
 
+@pytest.mark.parametrize('fmt', ['bf16', '8bit', '4bit'])
+def test_in_backward_steps_low_bit_state_as_the_step_after_backward(fmt):
+    """`InBackward` steps each param's low-bit state in its grad hook (dequantized, stepped, stored again, one param
+    at a time) to the params and stored state of the same optimizer stepped after backward, bit for bit."""
+    out = []
+    for wrap in (False, True):
+        m = _model()
+        opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                              state_precision=fmt, backend='loop')
+        if wrap: opt = cbopt.InBackward(opt)
+        torch.manual_seed(0)  # (bf16's stochastic rounding draws from torch's RNG: the same draws in both, one param's)
+        _train(opt, m)
+        out.append((m, opt))
+    (m0, o0), (m1, o1) = out
+    for p0, p1 in zip(m0.parameters(), m1.parameters()): assert torch.equal(p0, p1)
+    st0, st1 = o0.state[m0[0].weight], o1.state[m1[0].weight]
+    assert list(st0) == list(st1) and ('grad_avg' if fmt == 'bf16' else 'grad_avg.codes') in st0
+    for k, v in st0.items(): assert torch.equal(v, st1[k]) if isinstance(v, torch.Tensor) else v == st1[k], k
+    if fmt == 'bf16': assert st0['grad_avg'].dtype == torch.bfloat16
+
+
+def test_combined_optimizer_keeps_each_childs_state_precision():
+    """`CombinedOptimizer` of an 8-bit Adam and an fp32 SGD: each group keeps its child's `state_precision` (shown in
+    `param_groups`) and steps as the two children stepped apart, bit for bit, state included."""
+    out = []
+    for combine in (False, True):
+        m = _model()
+        kids = [cbopt.Adam(m[0].named_parameters(), lr=1e-2, state_precision='8bit'),
+                cbopt.SGD(m[2].named_parameters(), lr=1e-2, mom=0.9)]
+        opts = [cbopt.CombinedOptimizer([('enc', kids[0]), ('head', kids[1])])] if combine else kids
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            m(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+            for o in opts: o.step(), o.zero_grad()
+        out.append((m, {id(p): st for o in opts for p, st in o.state.items()}, opts))
+    (m0, s0, _), (m1, s1, (c,)) = out
+    assert [(g['state_precision'], g['min_quantize_size']) for g in c.param_groups] == [('8bit', 4096), ('fp32', 4096)]
+    assert 'grad_avg.codes' in s1[id(m1[0].weight)]
+    for (p0, p1) in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p0, p1)
+        a, b = s0[id(p0)], s1[id(p1)]
+        assert list(a) == list(b)
+        for k, v in a.items(): assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
+
+
+@pytest.mark.parametrize('backend', ['foreach', 'fused'])
+def test_grad_scaler_over_low_bit_state_is_the_unscaled_run(backend):
+    """`torch.amp.GradScaler` works unchanged over 8-bit state: with a scale that is a power of two (so scaling and
+    unscaling are exact) moving both ways, and inf grads at two steps, the params and stored state are bit for bit
+    those of the same optimizer stepped on the unscaled loss, skipping those steps (fused: the scaler hands the step
+    its scale and inf flag, which the low-bit graph's bucket applies; foreach: the scaler unscales and skips)."""
+    out = []
+    for scaled in (False, True):
+        m = _model()
+        opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01,
+                              state_precision='8bit', backend=cbopt.Backend(backend, compiler='aot_eager'))
+        sc = torch.amp.GradScaler('cpu', init_scale=2. ** 10, growth_interval=2)
+        g, scales = torch.Generator().manual_seed(1), set()
+        for i in range(8):
+            loss = m(torch.randn(16, 64, generator=g)).pow(2).mean()
+            if not scaled:
+                loss.backward()
+                if i not in (3, 4): opt.step()
+            else:
+                sc.scale(loss).backward()
+                if i in (3, 4): m[2].bias.grad[0] = float('inf')
+                sc.step(opt)
+                sc.update()
+                scales.add(sc.get_scale())
+            opt.zero_grad()
+        if scaled: assert {2. ** 9, 2. ** 11} <= scales  # (it grew, then backed off)
+        out.append((m, opt))
+    (m0, o0), (m1, o1) = out
+    for p0, p1 in zip(m0.parameters(), m1.parameters()): assert torch.equal(p0, p1)
+    st0, st1 = o0.state[m0[0].weight], o1.state[m1[0].weight]
+    assert list(st0) == list(st1) and 'grad_avg.codes' in st0
+    for k, v in st0.items(): assert torch.equal(v, st1[k]) if isinstance(v, torch.Tensor) else v == st1[k], k
+
+
 @pytest.mark.parametrize('in_place', [False, True])
 def test_fused_low_bit_under_clipping_follows_foreach(in_place):
     """Global-norm clipping (`GradientClippingOptimizer`) scales the grads of a low-bit bucket before the fused graph
