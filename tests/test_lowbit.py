@@ -255,6 +255,67 @@ def test_in_backward_steps_low_bit_state_as_the_step_after_backward(fmt):
     if fmt == 'bf16': assert st0['grad_avg'].dtype == torch.bfloat16
 
 
+def test_a_bucket_is_upcast_a_chunk_at_a_time(monkeypatch):
+    """Peak memory: a low-bit bucket's state is dequantized a chunk of about `CHUNK_BYTES` of fp32 state at a time
+    (stored again before the next chunk's is dequantized), never the whole bucket at once; the numbers are the
+    unchunked step's, bit for bit."""
+    import cbopt.engine.lowbit as engine_lowbit
+
+    def run(chunk_bytes):
+        monkeypatch.setattr(engine_lowbit, 'CHUNK_BYTES', chunk_bytes)
+        live, most = set(), [0]
+        def unpack(st, p, plan):
+            live.add(id(p))
+            most[0] = max(most[0], len(live))
+            lowbit.unpack(st, p, plan)
+        def pack(st, p, plan, stochastic=True):
+            live.discard(id(p))
+            lowbit.pack(st, p, plan, stochastic)
+        monkeypatch.setattr(engine_lowbit, 'unpack', unpack)
+        monkeypatch.setattr(engine_lowbit, 'pack', pack)
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(6)])  # one bucket of 6 params of 4,096
+        opt = cbopt.Optimizer(m.parameters(), adam_chain(), lr=1e-2, state_precision='8bit', backend='foreach')
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            m(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not live
+        return m, opt, most[0]
+    m0, o0, whole = run(1 << 30)
+    m1, o1, chunked = run(2 * 4096 * 4 * 2)  # two params' Adam state (two fp32 entries each)
+    assert whole == 6 and chunked == 2
+    for p0, p1 in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p0, p1)
+        for k, v in o0.state[p0].items(): assert torch.equal(v, o1.state[p1][k]) if isinstance(v, torch.Tensor) else v == o1.state[p1][k]
+
+
+def test_lr_scheduler_over_low_bit_fused_state_compiles_once():
+    """An LR scheduler (OneCycleLR: lr and momentum change at every step) drives the fused low-bit graph with no
+    recompile, and the params follow the loop's."""
+    from torch._dynamo.utils import counters
+    out = []
+    for backend in ('loop', 'fused'):
+        torch._dynamo.reset()
+        counters.clear()
+        m = _model()
+        opt = cbopt.Adam(m.parameters(), lr=1e-2, state_precision='8bit', backend=cbopt.Backend(backend, compiler='aot_eager'))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        moms = set()
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            m(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+            moms.add(opt.param_groups[0]['mom'])
+            opt.zero_grad()
+        assert len(moms) == 6
+        if backend == 'fused': assert counters['stats']['unique_graphs'] == 1
+        out.append(m)
+    for p0, p1 in zip(*(m.parameters() for m in out)): torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
+
+
 def test_combined_optimizer_keeps_each_childs_state_precision():
     """`CombinedOptimizer` of an 8-bit Adam and an fp32 SGD: each group keeps its child's `state_precision` (shown in
     `param_groups`) and steps as the two children stepped apart, bit for bit, state included."""
