@@ -316,6 +316,23 @@ def test_lr_scheduler_over_low_bit_fused_state_compiles_once():
     for p0, p1 in zip(*(m.parameters() for m in out)): torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize('wrap', [
+    lambda o: cbopt.WarmupOptimizer(o, [cbopt.WarmupStage(cbopt.WarmupPolicy.LINEAR, max_iters=5, value=0.1)]),
+    lambda o: cbopt.Lookahead(o), lambda o: cbopt.Accumulate(o, 2), lambda o: cbopt.SkipNonFinite(o),
+    lambda o: cbopt.GradientClippingOptimizer(o, cbopt.GradientClipping.NORM, max_gradient=1.),
+    lambda o: cbopt.InBackward(o)], ids=['warmup', 'lookahead', 'accumulate', 'skip', 'clipping', 'in_backward'])
+def test_wrappers_keep_low_bit_state(wrap):
+    """A wrapper over a low-bit optimizer keeps its groups' `state_precision` and `min_quantize_size`, and stores the
+    chain's moments as codes (its own exact entries, Lookahead's slow weights, as they are)."""
+    m = _model()
+    opt = wrap(cbopt.Adam(m.parameters(), lr=1e-2, state_precision='4bit', min_quantize_size=64))
+    assert [(g['state_precision'], g['min_quantize_size']) for g in opt.param_groups] == [('4bit', 64)]
+    _train(opt, m, 2)
+    st = opt.state[m[0].weight]
+    assert {'grad_avg.codes', 'grad_avg.absmax', 'sqr_avg.codes', 'sqr_avg.absmax'} <= set(st)
+    assert 'grad_avg' not in st and 'sqr_avg' not in st
+
+
 def test_combined_optimizer_keeps_each_childs_state_precision():
     """`CombinedOptimizer` of an 8-bit Adam and an fp32 SGD: each group keeps its child's `state_precision` (shown in
     `param_groups`) and steps as the two children stepped apart, bit for bit, state included."""
