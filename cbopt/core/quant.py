@@ -223,9 +223,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: str, signed: bool,
         values = _gather(qmap(fmt, signed, codes.device), codes.int())
     # (`scale.numel()` blocks, not -1: then a compiled graph knows both sides' sizes are one, and needs no broadcast)
     values = values.view(scale.numel(), f.block).mul_(scale[:, None]).view(-1)
-    # (whole blocks: not sliced, a guard in a compiled graph, whose chain would else update a slice of a larger
-    # buffer, every element of its loops masked)
-    return (values if values.numel() == numel else values[:numel]).to(dtype)
+    if values.numel() == numel: return values.to(dtype)  # (whole blocks: a guard in a compiled graph)
+    values = values[:numel]  # compiled, a copy: a chain updating a slice of a larger tensor has its loops masked
+    return values.clone() if torch.compiler.is_compiling() and dtype == values.dtype else values.to(dtype)
 
 
 def bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
