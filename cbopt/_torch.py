@@ -52,6 +52,12 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   tensors kept in its graph with an identity guard each, as torch's compiled optimizers keep theirs
   (`engine/traced.py`): the compiled call then neither checks their metadata nor takes them as arguments. Missing:
   the same graph, its tensors guarded and passed as inputs (slower calls).
+- dynamo's handling of a `torch.optim.Optimizer`'s `_init_group` (`GradReader`; not an API: a behaviour of
+  `torch/_dynamo/variables/optimizer.py`, 2.1): dynamo runs the call eagerly, then gives each grad it appended to a
+  list a `GradSource`, which it guards as present alone (`NOT_NONE`), where a grad read as `p.grad` is guarded by
+  its metadata, five `hasattr`s and an aliasing check, at every call: the traced step reads its grads so
+  (`engine/traced.py`), as torch's compiled optimizers read theirs. Changed or gone: dynamo traces `_init_group` as
+  any method, and the grads are guarded by their metadata again (the same graph, slower calls).
 - inductor's CPU heuristic `StorageBox.should_realize_on_reuse` (not an API: a behaviour; 2.13), which computes a
   value once, into a buffer, where it is broadcast or reused and its computation holds an `exp` (`computed_once`):
   the traced step's bias corrections (float64 `pow`s of a count), which inductor would otherwise inline into each
@@ -70,6 +76,7 @@ import collections
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -81,7 +88,7 @@ __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'c
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
-           'data_getter', 'dynamo_counters', 'static_address', 'computed_once', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'static_address', 'GradReader', 'computed_once', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -343,6 +350,35 @@ def static_address(t: torch.Tensor) -> None:
                       "each param's and state tensor's metadata at every call")
         return
     mark_static_address(t, guard=True)
+
+
+class GradReader(torch.optim.Optimizer):
+    """How a traced step reads its grads as torch's compiled optimizers read theirs: through `_init_group`, which
+    dynamo runs eagerly when it traces a call of it on an optimizer (as torch's `_init_group`), then guards each grad
+    the call appended as present alone (see the module docstring), instead of its metadata and more at every call.
+    Its `param_groups` are plain dicts of the owner's groups' own `params` lists (dynamo's handling assumes plain
+    dicts, which cbopt's `ParamGroup`s are not), read afresh each time, so they never go stale; it holds no state,
+    hooks or defaults of its own (torch's `__init__` is not run). Kept in the owner's `__dict__`, where dynamo finds
+    it by a source (`cbopt.Optimizer` makes one as it is built or unpickled; pickles leave it out)."""
+    def __init__(self, owner: torch.optim.Optimizer):
+        self._owner = weakref.ref(owner)
+        self.defaults: dict = {}
+        self.state: dict = {}  # (none: dynamo marks what is here static, and the owner's step marks its own)
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        "The owner's groups as plain dicts of their params lists (the same lists), in order."
+        owner = self._owner()
+        return [] if owner is None else [{'params': dict.__getitem__(g, 'params')} for g in owner.__dict__['param_groups']]
+
+    def _init_group(self, gi: int, params: list, grads: list) -> bool:
+        """Append group `gi`'s params that have a grad to `params`, and their grads to `grads` (torch's signature's
+        shape: lists filled in place, a constant returned: no complex params here, the caller sees them)."""
+        for p in self.param_groups[gi]['params']:
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
+        return False
 
 
 def computed_once(t: Any) -> Any:

@@ -37,6 +37,7 @@ from .core.runtime import user_stacklevel
 from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGroup, TorchParamGroup, check_hyper,
                           from_torch_names, model_entries, same_value)
 from . import engine
+from ._torch import GradReader
 from .optimizer import Optimizer, complex_refused_at_step, takes_state_precision, unsupported_complex
 from .state.lowbit import SETTINGS
 from .state.formats import TORCH_CHAIN_FLAGS
@@ -254,6 +255,7 @@ class TorchOptimizer(Optimizer):
         with non_leaf_params() if differentiable else contextlib.nullcontext(), complex_refused_at_step():
             built = make(groups, **kw)
         self.__dict__.update(built.__dict__)
+        self.__dict__['_optimizer_grads'] = GradReader(self)  # (built's reads built's groups: this one reads these)
         self._recipe = recipe
         if differentiable:  # torch's differentiable=True: the step is recorded by autograd
             self.defaults['differentiable'] = True

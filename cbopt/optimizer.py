@@ -15,7 +15,7 @@ import torch
 from fastcore.foundation import L
 
 from . import engine
-from ._torch import in_dcp_init_step
+from ._torch import GradReader, in_dcp_init_step
 from .core.chain import (around_params, cb_name, chain_defaults, chain_group_hypers, chain_reads, check_chain,
                          flat_model_keys, param_chain)
 from .engine import Backend, as_backend
@@ -150,6 +150,7 @@ class Optimizer(torch.optim.Optimizer):
         self.group_layers: list[int] | None = None  # the user's group each param group came from, if a recipe split them
         self.step_stats: dict = {}  # what the last step used: see `engine.run_step` and the README
         super().__init__(groups, scalar_defaults)
+        self.__dict__['_optimizer_grads'] = GradReader(self)  # (how a compiled step reads the grads: engine.traced)
         self._building = False
         engine.init_model_state(self)
         for hook in on_create: hook(self)
@@ -493,6 +494,11 @@ class Optimizer(torch.optim.Optimizer):
         """Everything but the hooks, which torch does not pickle either (they are often lambdas), and the `step` an LR
         scheduler patches onto the instance (bound to this optimizer: a copy would step the original)."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith('_optimizer_') and k != 'step'}
+
+    def __setstate__(self, state: dict) -> None:
+        "torch's, and a new grad reader for the compiled step (`GradReader`: pickles leave it out)."
+        super().__setstate__(state)
+        self.__dict__['_optimizer_grads'] = GradReader(self)
 
     def __repr__(self) -> str:
         cbs = ', '.join(cb_name(cb) for cb in self.cbs)

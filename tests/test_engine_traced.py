@@ -8,6 +8,7 @@ backend, and with `aot_eager` (functionalized, as inductor gets them, without it
 CPU) where in-place writes to params and state are checked against eager mode."""
 import copy
 import operator
+import pickle
 import warnings
 
 import pytest
@@ -161,6 +162,38 @@ def test_step_count_and_grads_under_compile():
     ref.load_state_dict(sd)
     opt.load_state_dict(ref.state_dict())
     assert opt.state[model[0].weight]['step'].item() == 9
+
+
+def _grad_guards(opt) -> list[str]:
+    "The kinds of guard dynamo puts on the grads when it traces `opt.step()`."
+    return sorted(g.create_fn_name() for g in torch._dynamo.explain(lambda: opt.step())().out_guards
+                  if g.name.endswith('.grad'))
+
+
+def test_grads_guarded_as_torchs_and_copies_read_their_own():
+    """The compiled step reads its grads as torch's compiled optimizers read theirs (through `_init_group`: see
+    `cbopt._torch.GradReader`): dynamo guards each grad as present, as it guards torch's AdamW's, not by its metadata
+    at every call; a pickled, deep-copied or `cbopt.optim` optimizer reads its own params' grads (a new reader, left
+    out of pickles), and steps as its eager twin."""
+    torch._dynamo.reset()
+    model = _model()
+    for p in model.parameters(): p.grad = torch.ones_like(p)
+    ours = _grad_guards(cbopt.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3)))
+    theirs = _grad_guards(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    assert ours == theirs == ['NOT_NONE_MATCH'] * 4, (ours, theirs)
+    opt = cbopt.Adam(model.parameters(), lr=torch.tensor(1e-3))
+    assert '_optimizer_grads' not in opt.__getstate__()
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        params = [p for g in copied.param_groups for p in g['params']]
+        assert copied.__dict__['_optimizer_grads'].param_groups[0]['params'] is copied.param_groups[0]['params']
+        twin = copy.deepcopy(copied)
+        for p in [*params, *(q for g in twin.param_groups for q in g['params'])]: p.grad = torch.full_like(p, 0.5)
+        torch._dynamo.reset()
+        step = torch.compile(lambda: copied.step(), backend='eager', fullgraph=True)
+        for _ in range(3): step(); twin.step()
+        assert_tensors_close(params, [p for g in twin.param_groups for p in g['params']])
+        assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())  # (the original's untouched)
+        assert not any(torch.equal(a, b) for a, b in zip(params, model.parameters()))
 
 
 @pytest.mark.parametrize('case', ['radam', 'clipping', 'closure'])

@@ -265,3 +265,39 @@ def test_missing_static_address_compiles_the_step_with_its_tensors_as_inputs(mon
         loop.step()
         loop.zero_grad()
     assert_rel_close(m, ref, rtol=1e-6)
+
+
+def test_without_dynamos_init_group_handling_grads_are_guarded_as_tensors(monkeypatch):
+    """Where dynamo traces `_init_group` as any method (a torch without its optimizer handling), the grad reader's call
+    is traced and the grads are guarded by their metadata: the same single graph over 4 steps (a new grad tensor each
+    step), the loop's params."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+    monkeypatch.setattr(OptimizerVariable, 'call_method', UserDefinedObjectVariable.call_method)
+    torch._dynamo.reset()
+    counters.clear()
+    seen = make_model()
+    for p in seen.parameters(): p.grad = torch.ones_like(p)
+    explained = cbopt.Adam(seen.parameters(), lr=torch.tensor(1e-2))
+    guards = torch._dynamo.explain(lambda: explained.step())().out_guards
+    kinds = {g.create_fn_name() for g in guards if g.name.endswith('.grad')}
+    assert 'TENSOR_MATCH' in kinds and 'NOT_NONE_MATCH' not in kinds, kinds
+    torch._dynamo.reset()
+    counters.clear()
+    m = make_model()
+    opt = cbopt.Adam(m.parameters(), lr=torch.tensor(1e-2))
+    step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    for i in range(STEPS):
+        m(torch.full((2, m[0].in_features), float(i + 1))).sum().backward()
+        step()
+        opt.zero_grad()
+    assert counters['stats']['unique_graphs'] == 1
+    ref = make_model()
+    loop = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
+    for i in range(STEPS):
+        ref(torch.full((2, ref[0].in_features), float(i + 1))).sum().backward()
+        loop.step()
+        loop.zero_grad()
+    assert_rel_close(m, ref, rtol=1e-6)

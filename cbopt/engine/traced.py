@@ -15,8 +15,11 @@ How, in torch's way:
   torch's compiled optimizers mark theirs (`_torch.static_address`): dynamo guards their identity alone and keeps them
   in the graph, where it would check the metadata of each (and a few attributes each) at every call and pass each
   as an argument; so a state entry the chain rebinds to a new tensor is copied into its old one instead (`_in_place`),
-  as torch's state is updated in place. The per-call cost left beside the kernels is then about torch's: a guard per
-  tensor and the grads passed in.
+  as torch's state is updated in place. The grads are read as torch's compiled optimizers read theirs, through an
+  `_init_group` call (on the optimizer's `_torch.GradReader`), which dynamo runs eagerly and whose grads it guards as
+  present alone, not by their metadata, five `hasattr`s and an aliasing check each at every call (a grad that
+  changes dtype or shape between steps is then not seen by the guards, as with torch's). The per-call cost left
+  beside the kernels is then about torch's: an identity guard per param and state tensor, and the grads passed in.
 - the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad
   that share a device, dtype and state layout), on `TensorList` stand-ins, as the `foreach` backend does: the graph
   holds one copy of the chain per bucket, of `torch._foreach_*` ops that inductor fuses horizontally (as torch's own
@@ -176,9 +179,7 @@ def traced_step(opt) -> None:
     for gi, g in enumerate(groups(opt)):
         hyper = Hypers(g).snapshot()
         lrs.append(hyper.get('lr'))
-        params = g['params']
-        grads = [p.grad for p in params]  # read before the state, whose keys are the params: guarded as tensors, not
-        todo = [p for p, grad in zip(params, grads) if grad is not None]  # by identity (a new grad would retrace)
+        todo, grads = _with_grads(opt, gi, g)
         if not todo: continue
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
@@ -192,14 +193,36 @@ def traced_step(opt) -> None:
                     with _wide_counts(st, counters): run_param(cbs, p, st, hyper, transient)
                     _in_place(before, st)
             continue
+        grad_of = {id(p): grad for p, grad in zip(todo, grads)}
         for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor'):
-            with torch.no_grad(), as_real(b) as b:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
-                p, state = stand_in(b), bucket_state(b)
+            with torch.no_grad(), as_real(b) as real:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
+                if real is b:  # (the grads as read: a param's `.grad` read again would be guarded as a tensor)
+                    p = TensorList(b.params)
+                    p.grad = TensorList([grad_of[id(q)] for q in b.params])
+                else: p = stand_in(real)  # (complex params' real views, their grads given by as_real)
+                b, state = real, bucket_state(real)
                 before = dict(state)
                 with _wide_counts(state, counters): run_chain(cbs, p, state, hyper)
                 _in_place(before, state)
                 write_state(b, before, state, transient)
     opt.step_stats = {'lr': lrs, 'skipped': False}
+
+
+def _with_grads(opt, gi: int, g) -> tuple[list, list]:
+    """Group `gi`'s params that have a grad, and their grads, read through the optimizer's `GradReader` (as torch's
+    compiled optimizers read theirs, through `_init_group`: each grad guarded as present alone), or, for an optimizer
+    without one, as `p.grad` (each guarded by its metadata); read before the state, whose keys are the params."""
+    reader = opt.__dict__.get('_optimizer_grads')
+    todo, grads = [], []
+    if reader is not None:
+        reader._init_group(gi, todo, grads)
+        return todo, grads
+    for p in g['params']:
+        grad = p.grad
+        if grad is not None:
+            todo.append(p)
+            grads.append(grad)
+    return todo, grads
 
 
 def _kept(t: Any) -> bool:
