@@ -394,8 +394,8 @@ def computed_once(t: Any) -> Any:
     first = ts[0] if ts else None  # (one read for all: a bucket's are on one device; one per param, a graph op each)
     if not (isinstance(first, torch.Tensor) and first.ndim == 0 and first.is_cpu): return t
     s = torch.stack(ts)
-    s = torch.where(s == s, s, s.exp())
-    return type(t)(s.unbind()) if isinstance(t, list) else s[0]
+    s = torch.where(s == s, s, s.exp())  # (read by one select per value, not one `unbind`: it has many users, so
+    return type(t)([s[i] for i in range(len(ts))]) if isinstance(t, list) else s[0]  # it is the one realized)
 
 
 def dynamo_counters() -> Mapping:
