@@ -82,10 +82,11 @@ def graph_plan(opt, b: Bucket) -> dict | None:
 def fused_stored(opt, b: Bucket, hyper: Mapping, scale: torch.Tensor | None = None, in_place: bool = False,
                  loss_scale: torch.Tensor | None = None) -> bool:
     """Step `b` with the fused runner's compiled chain on its stored low-bit state (`graph_plan`), dequantized,
-    stepped and quantized again in one graph (flat runs where the chain is elementwise: one graph for all shapes), so
-    no fp32 copy of the state is ever in memory; the grad scales (clipping's `scale`, GradScaler's `loss_scale`)
-    applied first, as `run_buckets` does where no kernel takes them. False (nothing done) where it cannot: then
-    `chunks` and a runner step it. A chain that does not compile runs with foreach on `chunks`, warning once."""
+    stepped and quantized again in one graph (flat runs where the chain is elementwise: one graph for the sizes of
+    whole blocks, one for the rest, whatever the shapes), so no fp32 copy of the state is ever in memory; the grad
+    scales (clipping's `scale`, GradScaler's `loss_scale`) applied first, as `run_buckets` does where no kernel takes
+    them. False (nothing done) where it cannot: then `chunks` and a runner step it. A chain that does not compile
+    runs with foreach on `chunks`, warning once."""
     plan = graph_plan(opt, b)
     if plan is None: return False
     _warn_unkinded(opt, b)
