@@ -25,7 +25,9 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   `torch.fx.experimental._config.use_duck_shape` (`compile_config`; 2.13): the compiled chain's dynamic shapes
   (no recompile per param shape or flat-run size). Inductor's options `size_asserts` and
   `post_grad_custom_post_pass` (`inductor_options`; 2.13). An unknown key raises inside the compiled runner's
-  fallback: that chain runs with foreach, with the runner's one-time warning.
+  fallback: that chain runs with foreach, with the runner's one-time warning. They are set around each compiled step
+  with torch's `ConfigModule._make_closure_patcher` (`chain_settings`; 2.4): set and restored without a class made per
+  use. Missing: the config's public `patch`, entered and exited (the same settings, more Python per step).
 - `torch._inductor.custom_graph_pass.CustomGraphPass`, `get_hash_for_files`, and
   `torch._inductor.pattern_matcher.stable_topological_sort` (`inductor_pass_api`; 2.13): the `ScalarsOnce` graph
   pass (`engine/scalars.py`), which computes each per-step scalar once per graph. Missing: no `ScalarsOnce` (each
@@ -84,7 +86,7 @@ from typing import Any
 import torch
 
 __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
-           'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'UNCHECKED_GATHERS',
+           'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'chain_settings', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'UNCHECKED_GATHERS',
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
@@ -186,32 +188,67 @@ def inductor_options(graph_pass: Any = None, device_type: str = 'cpu', gathers_c
             **({} if gathers_checked else UNCHECKED_GATHERS)}
 
 
+def _patcher(config: Any, changes: Mapping[str, Any]) -> Callable[[], Callable[[], None]]:
+    """`config`'s settings `changes` as an `enter()` that sets them and returns the function that restores them:
+    torch's low-overhead closure patcher (`ConfigModule._make_closure_patcher`, what torch.compile's `dynamic=` uses
+    at every call), made once; where this torch has none, its `patch` entered and exited (a class made per use). An
+    unknown key raises KeyError or AttributeError on entry, before anything is set."""
+    make = getattr(config, '_make_closure_patcher', None)
+    if make is not None:
+        change = make(**changes)
+        def enter() -> Callable[[], None]:
+            for k in changes: config._config[k]  # (an unknown key: KeyError, before any is set)
+            return change()
+        return enter
+    def enter_patch() -> Callable[[], None]:
+        ctx = config.patch(dict(changes))
+        ctx.__enter__()
+        return lambda: ctx.__exit__(None, None, None)
+    return enter_patch
+
+
+def _nothing() -> None: return None
+
+
+def _isa_trust() -> Callable[[], Callable[[], None]]:
+    """`trusted_cpu_isa` as an `enter()` returning its exit (`_patcher`'s form); entering does nothing where this torch
+    lacks what it needs, or where the user set `cpp.vec_isa_ok` (`TORCHINDUCTOR_VEC_ISA_OK`)."""
+    try:
+        import torch._inductor.config as config
+        from torch._inductor import cpu_vec_isa
+        trust = _patcher(config, {'cpp.vec_isa_ok': True})
+    except (ImportError, AttributeError): return lambda: _nothing
+
+    def enter() -> Callable[[], None]:
+        try:
+            listed = cpu_vec_isa.valid_vec_isa_list
+            if config.cpp.vec_isa_ok is not None: return _nothing  # (the user's)
+            fresh = listed.cache_info().currsize == 0
+        except AttributeError: return _nothing
+        revert = trust()
+
+        def leave() -> None:
+            revert()
+            if fresh and listed.cache_info().currsize:  # made in the block: dropped, with each ISA's own answer
+                listed.cache_clear()  # (which its class keeps: `VecAVX512.__bool__`...)
+                for cls in vars(cpu_vec_isa).values():
+                    if isinstance(cls, type) and callable(clear := getattr(cls.__dict__.get('__bool__'), 'cache_clear', None)):
+                        clear()
+        return leave
+    return enter
+
+
 @contextlib.contextmanager
 def trusted_cpu_isa() -> Iterator[None]:
     """Inductor taking the CPU's vector ISA (AVX-512, AVX2...) from the flags the CPU reports (`cpp.vec_isa_ok`) instead
     of compiling and loading a test program per ISA: most of a cold compile's cost that is not the chain's own (Lion
     on GPT-2 small's params, 2-core EPYC: 8 of 18 CPU-s; the same ISA is picked). Inductor keeps the list it makes
-    for the process: where none was made before, it is dropped after, so the process's other compiles probe as they
-    would have. A user's `TORCHINDUCTOR_VEC_ISA_OK` (or `cpp.vec_isa_ok`) is kept. Where this torch lacks these, the
-    block runs as it is (inductor probes)."""
-    try:
-        import torch._inductor.config as config
-        from torch._inductor import cpu_vec_isa
-        listed = cpu_vec_isa.valid_vec_isa_list
-        trust = config.cpp.vec_isa_ok is None
-        fresh = trust and listed.cache_info().currsize == 0
-    except (ImportError, AttributeError): trust = False
-    if not trust:
-        yield
-        return
-    try:
-        with config.patch({'cpp.vec_isa_ok': True}): yield
-    finally:
-        if fresh:  # (the list, and each ISA's own answer, which its class keeps: `VecAVX512.__bool__`...)
-            listed.cache_clear()
-            for cls in vars(cpu_vec_isa).values():
-                if isinstance(cls, type) and callable(clear := getattr(cls.__dict__.get('__bool__'), 'cache_clear', None)):
-                    clear()
+    for the process: where none was made before and one was made in the block, it is dropped after, so the process's
+    other compiles probe as they would have. A user's `TORCHINDUCTOR_VEC_ISA_OK` (or `cpp.vec_isa_ok`) is kept. Where
+    this torch lacks these, the block runs as it is (inductor probes)."""
+    leave = _isa_trust()()
+    try: yield
+    finally: leave()
 
 
 @contextlib.contextmanager
@@ -233,6 +270,43 @@ def emulated_casts() -> Iterator[None]:
     Read where the graph is lowered (a torch.compile option does not reach it): patched around the compiled calls."""
     import torch._inductor.config as inductor_config
     with inductor_config.patch(emulate_precision_casts=True): yield
+
+
+_CHAIN_SETTINGS: dict = {}  # (duck_shapes, inductor, cpu, the settings) -> `chain_settings`'s enter()
+
+
+def chain_settings(duck_shapes: bool, inductor: bool = True, cpu: bool = True) -> Callable[[], Callable[[], None]]:
+    """The compiled chain's settings around its calls, as one `enter()` that sets them all and returns the function
+    that restores them: `compile_config`'s (`duck_shapes`), and with `inductor` `emulated_casts`' and, on the `cpu`,
+    `trusted_cpu_isa`'s. Made once per combination from torch's closure patchers (`_patcher`): a step pays a few
+    writes of settings, where entering the context managers cost a class made per setting and two `__setattr__`s each
+    (GPT-2's 148 params, Lion, loaded 2-core CPU: about a tenth of the fused step's host time). Entered at each step,
+    not only where a call compiles, because dynamo may recompile at any call (a param of one element, a guard that
+    fails), and what it compiles then must be what it compiled first. A key this torch does not know raises on entry,
+    before anything is compiled or stepped."""
+    key = (duck_shapes, inductor, cpu, tuple(DYNAMO_CONFIG.items()), SHAPE_CONFIG)  # (as the settings are now)
+    enter = _CHAIN_SETTINGS.get(key)
+    if enter is None:
+        import torch._dynamo
+        import torch.fx.experimental._config as shape_config
+        parts = [_patcher(torch._dynamo.config, DYNAMO_CONFIG), _patcher(shape_config, {SHAPE_CONFIG: duck_shapes})]
+        if inductor:
+            import torch._inductor.config as inductor_config
+            parts.append(_patcher(inductor_config, {'emulate_precision_casts': True}))
+            if cpu: parts.append(_isa_trust())
+
+        def enter() -> Callable[[], None]:
+            reverts: list = []
+            def leave() -> None:
+                for revert in reversed(reverts): revert()
+            try:
+                for part in parts: reverts.append(part())
+            except BaseException:
+                leave()
+                raise
+            return leave
+        enter = _CHAIN_SETTINGS[key] = enter
+    return enter
 
 
 def inductor_pass_api() -> SimpleNamespace | None:

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 
 import torch
 
-from .._torch import compile_config, emulated_casts, inductor_options, trusted_cpu_isa
+from .._torch import chain_settings, inductor_options
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
@@ -147,14 +146,13 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
         members, pack = [[i] for i in range(len(b.params))], None
         chunks = shape_chunks([p.shape for p in b.params], run)
     hyper = dict(hyper)
-    with ExitStack() as settings:
-        try:  # an unknown setting or option raises here, before any chunk is touched: the whole bucket is handed back
-            settings.enter_context(compile_config(duck_shapes=not flat))  # flat: every size its own symbol
-            if options.compiler == 'inductor':  # each 16-bit op rounds as in eager: 16-bit params (kahan_sum needs
-                settings.enter_context(emulated_casts())  # it) and 16-bit math in fp32 chains (Muon's bf16 iteration)
-                if b.params[0].device.type == 'cpu': settings.enter_context(trusted_cpu_isa())  # (no ISA test builds)
-            fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run, stored) if flat else None  # (one graph)
-        except Exception as e: raise CompileFailed(e, b) from e
+    # dynamic shapes (flat: every size its own symbol); inductor: each 16-bit op rounds as in eager (16-bit params:
+    # kahan_sum needs it; 16-bit math in fp32 chains: Muon's bf16 iteration), on the CPU without ISA test builds
+    try: leave = chain_settings(not flat, options.compiler == 'inductor', b.params[0].device.type == 'cpu')()
+    except Exception as e: raise CompileFailed(e, b) from e  # (an unknown setting: nothing touched, the whole bucket)
+    try:
+        try: fn = compiled_chain(b.cbs, options.compiler, b, chunks[0], run, stored) if flat else None  # (one graph)
+        except Exception as e: raise CompileFailed(e, b) from e  # (an option this torch does not know, likewise)
         for j, idx in enumerate(chunks):
             if flat:
                 ps, ts = [params[i] for i in idx], [tstates[i] for i in idx]
@@ -181,6 +179,7 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
             if new_py:
                 for s in idx:
                     for i in members[s]: b.states[i].update(new_py)
+    finally: leave()
 
 
 def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
