@@ -200,14 +200,21 @@ def test_backends_agree(fmt):
 
 
 @pytest.mark.parametrize('fmt', ['8bit', '4bit', 'fp8'])
-def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
+@pytest.mark.parametrize('pieces', [False, True])
+def test_fused_steps_stored_state_in_its_graph(fmt, pieces, monkeypatch):
     """After the first (eager) step, the fused backend dequantizes, steps and quantizes in its compiled graph: the
     engine never unpacks the state to fp32 eagerly, no compile falls back, and params and codes follow the loop's
     (sizes that are no multiple of the block, padded in the graph too, and one of whole blocks: its graph pads
-    nothing)."""
+    nothing). `pieces`: every param steps in pieces of 1024 elements (`GRAPH_PIECES`), the last of two params
+    no whole number of blocks, and the same numbers come out."""
+    import cbopt.engine.compiled as engine_compiled
     import cbopt.engine.lowbit as engine_lowbit
-    unpacked = []
+    unpacked, in_pieces = [], []
     monkeypatch.setattr(engine_lowbit, 'unpack', lambda st, p, plan: (unpacked.append(p), lowbit.unpack(st, p, plan)))
+    if pieces:
+        monkeypatch.setattr(engine_lowbit, 'GRAPH_PIECES', (1024, 4096))
+        run = engine_compiled._in_pieces
+        monkeypatch.setattr(engine_compiled, '_in_pieces', lambda fn, p, *a: (in_pieces.append(p.numel()), run(fn, p, *a))[1])
     out = {}
     for backend in ('loop', 'fused'):
         torch.manual_seed(0)
@@ -223,6 +230,7 @@ def test_fused_steps_stored_state_in_its_graph(fmt, monkeypatch):
         out[backend] = m, opt, len(unpacked)
     (m0, o0, n0), (m, o, n) = out['loop'], out['fused']
     assert n0 > 0 and n == 0  # (the loop unpacks at every step)
+    assert sorted(set(in_pieces)) == ([64 * 101, 70 * 101, 70 * 128] if pieces else [])
     for p0, p in zip(m0.parameters(), m.parameters()): torch.testing.assert_close(p, p0, rtol=1e-6, atol=1e-7)
     for w0, w in ((m0[0].weight, m[0].weight), (m0[2].weight, m[2].weight), (m0[4].weight, m[4].weight)):
         st0, st = o0.state[w0], o.state[w]

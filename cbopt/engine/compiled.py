@@ -26,14 +26,15 @@ from .._torch import chain_settings, inductor_options
 from ..core.chain import chain_scope, chain_sig, run_chain, transient_keys
 from ..core.dtensor import as_like, is_dtensor, local, local_param
 from ..core.runtime import runtime, warn_once
-from ..state.lowbit import pack, stored_part, unpack
-from .buckets import Bucket
+from ..core.quant import FORMATS, n_blocks
+from ..state.lowbit import pack, stored_base, stored_part, unpack
+from .buckets import Bucket, give_grad
 from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chunks
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
-__all__ = ['is_float64_0d', 'float64_scalars_on_gpu', 'device_failed', 'CompileFailed', 'compiled_chain', 'compiled_bucket', 'fused_bucket',
-           'float64_0d_copies']
+__all__ = ['is_float64_0d', 'float64_scalars_on_gpu', 'device_failed', 'CompileFailed', 'PartlyStepped', 'compiled_chain',
+           'compiled_bucket', 'fused_bucket', 'float64_0d_copies']
 
 
 _COMPILED: dict = {}  # (compiler, chain_sig, chunk layout) -> compiled function, shared by every optimizer in the process
@@ -120,23 +121,26 @@ class CompileFailed(Exception):
     def __init__(self, err: Exception, rest: Bucket): self.err, self.rest = err, rest
 
 
-def compiled_bucket(opt, b: Bucket, hyper: Mapping, stored: Mapping | None = None, run: int | None = None) -> None:
+def compiled_bucket(opt, b: Bucket, hyper: Mapping, stored: Mapping | None = None, run: int | None = None,
+                    pieces: tuple[int, int] | None = None) -> None:
     """Step `b` with the compiled chain: flat params in runs of `compile_chunk` (`flat_chunks`, the last one padded:
     one graph) where `flat_inputs` gives them, else in chunks of params of the same shape (`shape_chunks`).
     Compilation traces the chain before running anything, so a chain that cannot compile raises before its first
     chunk is touched; so do dynamo's settings and inductor's options that this torch does not know (`CompileFailed`,
-    with the whole bucket)."""
+    with the whole bucket). `pieces` (the low-bit graph's, with `run=1`): `(size, above)`, a flat param of more than
+    `above` elements steps in pieces of `size` (`_in_pieces`)."""
     on_shards = is_dtensor(b.params[0])  # (an elementwise chain: see `fused_bucket`; a shard's local tensors step by shape)
     pystate = {k: v for k, v in b.states[0].items() if not isinstance(v, torch.Tensor)}
     kept = runtime(opt).flat_aliases.setdefault(b.layout, {})
     flat = None if on_shards else flat_inputs(b, kept)
-    try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards, stored, run)
+    try: _compiled_runs(opt, b, hyper, pystate, flat, on_shards, stored, run, pieces)
     finally:
         if flat is not None: release_grads(flat.params)  # (the pack's param too)
 
 
 def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInputs | None, on_shards: bool,
-                   stored: Mapping | None = None, run: int | None = None) -> None:
+                   stored: Mapping | None = None, run: int | None = None,
+                   pieces: tuple[int, int] | None = None) -> None:
     options = opt.backend_options
     run = run or options.compile_chunk  # flat: every run is padded to this length, so all call one graph
     if flat:
@@ -164,9 +168,12 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
                 ps = [local_param(b.params[i]) if on_shards else b.params[i] for i in idx]
             try:
                 if not flat: fn = compiled_chain(b.cbs, options.compiler, b, idx, stored=stored)
-                new_t, new_py = fn(ps, ts, pystate, hyper)
+                if pieces and flat and stored and len(ps) == 1 and _piecewise(ps[0], ts[0], stored, pieces[1]):
+                    new_t, new_py = _in_pieces(fn, ps[0], ts[0], pystate, hyper, pieces[0], stored)
+                else: new_t, new_py = fn(ps, ts, pystate, hyper)
             except Exception as e:  # nothing of this chunk ran: the rest of the bucket is handed back untouched
-                if device_failed(e): raise  # (unless the device failed: a kernel may have run, see `device_failed`)
+                if device_failed(e) or isinstance(e, PartlyStepped): raise  # (unless some of it ran: a kernel may
+                # have run where the device failed, see `device_failed`; some pieces of a param, `_in_pieces`)
                 rest = [i for c in chunks[j:] for s in c for i in members[s]]
                 raise CompileFailed(e, Bucket(b.group, [b.params[i] for i in rest], [b.states[i] for i in rest])) from e
             for s, nt in zip(idx, new_t):
@@ -180,6 +187,56 @@ def _compiled_runs(opt, b: Bucket, hyper: Mapping, pystate: dict, flat: FlatInpu
                 for s in idx:
                     for i in members[s]: b.states[i].update(new_py)
     finally: leave()
+
+
+class PartlyStepped(RuntimeError):
+    "A param stepped in pieces (`_in_pieces`) failed after its first pieces stepped: never handed to a fallback."
+
+
+def _piece_of(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    "`n` elements of the flat tensor `t`'s memory from `start`, an alias that is not a view (as `flat_alias`)."
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset() + start, (n,))
+
+
+def _piecewise(p: torch.Tensor, ts: Mapping, stored: Mapping, above: int) -> bool:
+    """Whether the flat param `p` steps in pieces (`_in_pieces`): it has more than `above` elements, and its state
+    tensors are all its size or stored parts of `stored`'s entries (elementwise: a piece's state is a piece of each)."""
+    if p.numel() <= above: return False
+    return all(v.numel() == p.numel() if stored_part(k) is None else stored_base(k) in stored for k, v in ts.items())
+
+
+def _in_pieces(fn: Callable, p: torch.Tensor, ts: Mapping, pystate: Mapping, hyper: Mapping, piece: int,
+               stored: Mapping) -> tuple[list, dict]:
+    """The compiled chain `fn` on the flat param `p` in pieces of `piece` elements (a multiple of every block
+    format's block), one call each, each with the matching piece of its grad, its state and its stored parts (codes
+    and scales of the piece's blocks): as one call on `p` computes, for an elementwise chain. A large param's graph
+    then holds the fp32 temporaries of one piece, which the allocator reuses from call to call and which stay in
+    cache, where a whole param's are fresh memory at each call (the kernel's page faults: a quarter of GPT-2's
+    embedding's step). Each piece's new values are written into the pieces of `p`'s state; what is new or of
+    another size comes back whole, with the Python state of the last piece (each piece's is the same)."""
+    new_py, rest, ran = None, {}, False
+    for a in range(0, p.numel(), piece):
+        n = min(piece, p.numel() - a)
+        q = _piece_of(p, a, n)
+        give_grad(q, _piece_of(p.grad, a, n))
+        pts = {}
+        for k, v in ts.items():
+            f = FORMATS[stored[stored_base(k)][0]] if stored_part(k) else None
+            if f is None: pts[k] = _piece_of(v, a, n)
+            elif stored_part(k) == 'codes': pts[k] = _piece_of(v, a // f.per_byte, f.codes_numel(n))
+            else: pts[k] = _piece_of(v, a // f.block, n_blocks(n, f.block))
+        try:
+            new_t, new_py = fn([q], [pts], pystate, hyper)
+            ran = True
+            for k, v in new_t[0].items():
+                if k in pts and v.shape == pts[k].shape: pts[k].copy_(v)
+                else: rest.setdefault(k, []).append(v)
+        except Exception as e:
+            if a == 0 and not ran: raise  # (nothing stepped yet: the caller may hand the param to a fallback)
+            raise PartlyStepped(f"the compiled low-bit step of a param of {p.numel()} elements failed on its piece "
+                                f"from element {a}, after its first pieces stepped: {type(e).__name__}: {e}") from e
+    whole = lambda vs: torch.cat(vs) if sum(v.numel() for v in vs) == p.numel() and all(v.ndim for v in vs) else vs[-1]
+    return [{k: whole(vs) for k, vs in rest.items()}], new_py
 
 
 def fused_bucket(opt, b: Bucket, hyper: Mapping) -> None:
