@@ -90,7 +90,7 @@ __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'c
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
-           'data_getter', 'dynamo_counters', 'static_address', 'GradReader', 'computed_once', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'static_address', 'GradReader', 'COMPUTED_ONCE_CHUNK', 'computed_once', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -455,21 +455,32 @@ class GradReader(torch.optim.Optimizer):
         return False
 
 
+COMPUTED_ONCE_CHUNK = 16  # values per stack in `computed_once` (8 and 4 compiled no faster than 16, one buffer each)
+
+
 def computed_once(t: Any) -> Any:
     """`t` (a 0-d tensor, or a `TensorList` of them) as values inductor computes once, before the loops over the
     params' elements that read them: `where(t == t, t, exp(t))`, which is `t` bit for bit (NaN and inf too), holds an
     `exp`, for which inductor's CPU code generator realizes a broadcast value into a buffer rather than inline its
-    computation into each loop (see the module docstring). A `TensorList`'s are stacked into one tensor for it (a few
-    graph ops per bucket, whatever its number of params; inductor has no lowering of `_foreach_exp`, which it would
-    run as a kernel of its own, after which the consumers inline the values' computation again). Anything else, a
-    tensor not on the CPU, or an eager call (where the mark would cost kernels) is returned as it is."""
+    computation into each loop (see the module docstring). A `TensorList`'s are stacked into tensors of at most
+    `COMPUTED_ONCE_CHUNK` values, each realized once (one buffer per chunk, not a 0-d buffer per param, which the
+    compiled call would allocate at every call; inductor has no lowering of `_foreach_exp`, which it would run as a
+    kernel of its own, after which the consumers inline the values' computation again): on the CPU a stack is a
+    concat kernel whose inputs each write a slice of its buffer, and inductor's scheduler takes a time quadratic in
+    their number (148 params in one stack: 84 CPU-s to compile a step, 60 in stacks of 16). Anything else, a tensor
+    not on the CPU, or an eager call (where the mark would cost kernels) is returned as it is."""
     if not torch.compiler.is_compiling(): return t
     ts = list(t) if isinstance(t, list) else [t]
     first = ts[0] if ts else None  # (one read for all: a bucket's are on one device; one per param, a graph op each)
     if not (isinstance(first, torch.Tensor) and first.ndim == 0 and first.is_cpu): return t
-    s = torch.stack(ts)
-    s = torch.where(s == s, s, s.exp())  # (read by one select per value, not one `unbind`: it has many users, so
-    return type(t)([s[i] for i in range(len(ts))]) if isinstance(t, list) else s[0]  # it is the one realized)
+    k = -(-len(ts) // COMPUTED_ONCE_CHUNK)  # (chunks of even sizes, each of at least 2 where there are 2 values)
+    out = []
+    for j in range(k):
+        part = ts[j * len(ts) // k:(j + 1) * len(ts) // k]
+        s = torch.stack(part)
+        s = torch.where(s == s, s, s.exp())  # (read by one select per value, not one `unbind`: it has many users, so
+        out += [s[i] for i in range(len(part))]  # it is the one realized)
+    return type(t)(out) if isinstance(t, list) else out[0]
 
 
 def dynamo_counters() -> Mapping:

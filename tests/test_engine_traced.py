@@ -491,3 +491,32 @@ def test_inductor_computes_the_bias_corrections_once_and_steps_as_eager():
     code = '\n'.join(codes)
     assert code.count('std::pow') >= 2 and _in_element_loops(code, 'std::pow') == 0, code
     assert 'empty_strided_cpu((), ()' not in code, code
+
+
+def test_bias_corrections_of_many_params_computed_in_chunks():
+    """A bucket of 40 params has its bias corrections stacked in chunks of at most `COMPUTED_ONCE_CHUNK` values (a
+    stack is a concat kernel whose inductor scheduling time is quadratic in its inputs), each computed once: no pow
+    in an element loop, no 0-d buffer, and the eager step's params within 1e-6 after 3 steps."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    from cbopt._torch import COMPUTED_ONCE_CHUNK
+    torch._dynamo.reset()
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(20)])
+    def train(m, step, opt):
+        for i in range(3):
+            for p in m.parameters(): p.grad = torch.full_like(p, 0.1 * (i + 1)) + p.detach()
+            step()
+    ours, ref = model(), model()
+    opt = cbopt.Adam(ours.parameters(), lr=torch.tensor(1e-2), wd=0.01)
+    eager = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), wd=0.01)
+    _, codes = run_and_get_code(train, ours, torch.compile(lambda: opt.step(), fullgraph=True), opt)
+    train(ref, eager.step, eager)
+    assert_tensors_close(list(ours.parameters()), list(ref.parameters()))
+    code = '\n'.join(codes)
+    assert code.count('std::pow') >= 2 and _in_element_loops(code, 'std::pow') == 0
+    assert 'empty_strided_cpu((), ()' not in code
+    sizes = [int(n) for n in re.findall(r'empty_strided_cpu\(\((\d+), \), \(1, \), torch\.float64\)', code)]
+    assert len(sizes) == 2 * 2 * -(-40 // COMPUTED_ONCE_CHUNK) > 4, sizes  # (2 corrections, a stack and its values per chunk)
+    assert max(sizes) <= COMPUTED_ONCE_CHUNK and sum(sizes) == 2 * 2 * 40, sizes
