@@ -123,7 +123,8 @@ def test_small_params_with_a_0d_state_entry_step_packed(kind) -> None:
     """NAdam's `mu_product` and schedule-free's `weight_sum` and `lr_max`, a 0-d tensor per param: the small params
     step packed while each such entry holds one value for all of them (the pack's own 0-d entry, its result copied
     back to each), and apart once one param's differs (step 6 on: NAdam's `mu_product` halved, schedule-free's
-    `lr_max` raised, for one small param); 12 steps against the loop, params and state."""
+    `lr_max` raised, for one small param), each param-shaped entry then in memory of its own; 12 steps against the
+    loop, params and state."""
     g = torch.Generator().manual_seed(1)
     start = [torch.randn(s, generator=g) for s in SHAPES]
     grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(12)]
@@ -143,6 +144,9 @@ def test_small_params_with_a_0d_state_entry_step_packed(kind) -> None:
         if backend != 'loop':  # (step 0 runs eagerly, creating the state; 1 to 5 packed, 6 on apart)
             assert all(len(pk) == 1 and pk[0] is not None and pk[0].members == small for pk in packs[1:6])
             assert all(pk == [None] for pk in packs[6:])
+            for i in small:  # apart: the dropped pack's adopted entries got memory of their own (`Pack.release`)
+                assert all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                           for v in opt.state[ps[i]].values() if isinstance(v, torch.Tensor) and v.ndim)
         runs[backend if backend == 'loop' else 'fused'] = ps, opt
     (fused, f_opt), (loop, l_opt) = runs['fused'], runs['loop']
     for a, b in zip(fused, loop):
@@ -372,3 +376,49 @@ def test_steady_packed_steps_read_no_shared_value(monkeypatch) -> None:
         opt.step()
         per_step.append(len(reads))
     assert per_step[1] > 0 and per_step[2] == per_step[3] == per_step[5] == 0 and per_step[4] > 0, per_step
+
+
+def test_packed_state_lives_in_the_pack_and_follows_every_change() -> None:
+    """The small params' state lives in their pack's buffer after the first packed step (each entry its part of it:
+    a steady step copies nothing into or out of it, only the params' and grads' buffers), and stays right through
+    what users and checkpoints do between steps: an entry written in place, one entry replaced by a new tensor, a
+    state saved and loaded (new tensors), a small param that skips a step (another layout), one made big (other
+    small params: a new pack, the old one's buffer freed). 12 steps against the loop, params and state."""
+    start, grads = params_and_grads(SHAPES, 12, seed=3)
+    big = torch.randn(BIG, generator=torch.Generator().manual_seed(4))
+    small = [i for i, s in enumerate(SHAPES) if torch.Size(s).numel() <= flat.PACK_NUMEL]
+    m = small[3]  # (made big at step 9)
+    runs = {}
+    for backend in (cbopt.Backend('fused', compiler='eager', compile_chunk=4), 'loop'):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = cbopt.Lion(ps, lr=0.01, wd=0.1, backend=backend)
+        fused = backend != 'loop'
+        for step, gs in enumerate(grads):
+            if step == 9:
+                ps[m].data, opt.state[ps[m]]['grad_avg'] = big.clone(), big.cos()
+                if fused:
+                    old = runtime(opt).flat_aliases[bucketing.buckets(opt)[0].layout]['pack'].state['grad_avg']
+                    old = StorageWeakRef(old.untyped_storage())
+            for p, gr in zip(ps, gs): p.grad = gr.clone() if p.shape == gr.shape else big.sin() * step
+            if step == 6: ps[small[1]].grad = None  # (skips a step: another bucket layout, its own pack)
+            spied = step == 3 and fused  # (a steady step: the layout packed at step 1, its entries adopted)
+            if spied:
+                pack = runtime(opt).flat_aliases[bucketing.buckets(opt)[0].layout]['pack']
+                buf = pack.state['grad_avg'].untyped_storage().data_ptr()
+                assert all(opt.state[ps[i]]['grad_avg'].untyped_storage().data_ptr() == buf for i in small)
+                del pack
+                calls, real_cat, real_copy = [], torch.cat, torch._foreach_copy_
+                def cat(ts, *a, out=None, **k): calls.append(out); return real_cat(ts, *a, out=out, **k)
+                def copy(dst, src): calls.append(src[0]); return real_copy(dst, src)
+                torch.cat, torch._foreach_copy_ = cat, copy
+            try: opt.step()
+            finally:
+                if spied: torch.cat, torch._foreach_copy_ = real_cat, real_copy
+            if spied:  # the params' buffer filled and copied back, nothing of the state's
+                assert len(calls) == 2 and not any(t.untyped_storage().data_ptr() == buf for t in calls), calls
+            if step == 3: opt.state[ps[small[0]]]['grad_avg'].mul_(0.5)  # in place: into the pack's buffer
+            if step == 4: opt.state[ps[small[2]]]['grad_avg'] = opt.state[ps[small[2]]]['grad_avg'] * 2  # replaced
+            if step == 7: opt.load_state_dict(opt.state_dict())
+            if step == 9 and fused: assert old.expired()  # (no entry holds the dropped pack's buffer)
+        runs[backend if backend == 'loop' else 'fused'] = ps, opt
+    assert_fused_follows_loop(runs)

@@ -88,12 +88,15 @@ PACK_NUMEL = 1 << 14  # params of at most this many elements step packed togethe
 
 
 class Pack:
-    """Small params of a bucket stepped as one flat param: their params and param-shaped state copied into buffers
-    of their total size (kept between steps while the same params are packed), their grads into one tensor, and the
-    results copied back after the compiled call. A compiled call costs dynamo, AOT and inductor about 0.3 ms of
-    Python whatever its params' sizes, and a model's biases and norms are most of its tensors (98 of GPT-2's 148):
-    packed, they fill one place of a run instead of 98, for about as many bytes copied as they hold. Elementwise, so
-    each element's numbers are those of the param stepped alone."""
+    """Small params of a bucket stepped as one flat param: their params copied into a buffer of their total size
+    (kept between steps while the same params are packed), their grads into one tensor, and the results copied back
+    after the compiled call. Their param-shaped state lives in the pack's buffers: after the first packed step each
+    member's entry is its part of the buffer (`adopt`), so a step copies no state in or out; an entry the user or a
+    load replaces is copied in again and adopted, and a dropped pack gives each entry memory of its own (`release`). A
+    compiled call costs dynamo, AOT and inductor about 0.3 ms of Python whatever its params' sizes, and a model's
+    biases and norms are most of its tensors (98 of GPT-2's 148): packed, they fill one place of a run instead of 98,
+    for about as many bytes copied as their params and grads hold. Elementwise, so each element's numbers are those of
+    the param stepped alone."""
     def __init__(self, members: list[int], qs: list, tstates: list, shared: tuple = ()):
         self.members = members  # the bucket's indices of the packed params (`qs`: their flat aliases)
         self.sizes = [q.numel() for q in qs]
@@ -103,6 +106,9 @@ class Pack:
         self.state = {k: tstates[0][k].new_empty(len(self.param)) for k in self.keys}
         self.views = {k: buf.split(self.sizes) for k, buf in (('param', self.param), *self.state.items())}
         self.stamp = None  # the shared 0-d entries as `scatter` left them (`written_since`)
+        self.owned: set = set()  # keys whose members' entries are their parts of this pack's buffers (`adopt`)
+        self.rebound: set = set()  # keys the chain rebinds (`scatter`): each member keeps a copy of its own
+        self.adopted: list = []  # (state dict, key) of each entry `adopt` made a part of a buffer (`release`)
 
     def fits(self, members: list[int], qs: list, tstates: list, shared: tuple = ()) -> bool:
         "Whether this pack's buffers serve these small params (the same sizes, state keys and dtypes)."
@@ -114,7 +120,8 @@ class Pack:
         "The packed param (its grad the packed grads) and state, filled from the params' flat aliases `qs`."
         self.qs, self.tstates = qs, tstates  # (where `scatter` writes back)
         torch.cat(qs, out=self.param)
-        for k, buf in self.state.items(): torch.cat([ts[k] for ts in tstates], out=buf)
+        for k, buf in self.state.items():
+            if k not in self.owned: torch.cat([ts[k] for ts in tstates], out=buf)  # (owned: the entries are `buf`)
         give_grad(self.param, flatten_dense(grads))
         self.values = {k: tstates[0][k].clone() for k in self.shared}
         return self.param, {**self.state, **self.values}
@@ -138,15 +145,55 @@ class Pack:
         element each of one new buffer)."""
         foreach_op('copy_')(self.qs, self.views['param'])
         for k in self.keys:
-            if k not in new_t: foreach_op('copy_')([ts[k] for ts in self.tstates], self.views[k])
+            if k not in new_t and k not in self.owned: foreach_op('copy_')([ts[k] for ts in self.tstates], self.views[k])
         for k in self.shared:
             if k not in new_t: foreach_op('copy_')([ts[k] for ts in self.tstates], [self.values[k]] * len(self.members))
         for k, v in new_t.items():  # (a shared 0-d entry the chain made param-shaped is split as any other)
             if v.shape == self.param.shape:
+                self.owned.discard(k)
+                self.rebound.add(k)  # (never adopted again: the next step's entries are those copies)
                 for i, part in zip(self.members, v.split(self.sizes)): b.states[i][k] = part.view(b.params[i].shape).clone()
             else:  # a 0-d value each, in one allocation (98 clones cost 3 times as much)
                 for i, part in zip(self.members, v.expand(len(self.members)).clone().unbind()): b.states[i][k] = part
         if self.shared: self.stamp = self._stamp(b)  # (one value each, written by this pack)
+
+    def claim(self, b: Bucket) -> None:
+        """Before a step's flat aliases are made: the keys whose members' entries are all still their parts of this
+        pack's buffers (`owned`: the same addresses; the buffers are alive, so no other memory can start there). A key
+        only some of whose entries are (the others replaced: a load, the user) gives those memory of their own, as
+        `gather` then copies every entry into the buffer."""
+        self.owned = set()
+        for k in self.keys:
+            if k in self.rebound: continue
+            mine = [b.states[i][k].data_ptr() == v.data_ptr() for i, v in zip(self.members, self.views[k])]
+            if all(mine): self.owned.add(k)
+            else:
+                for i, m in zip(self.members, mine):
+                    if m: b.states[i][k] = b.states[i][k].clone()
+
+    def adopt(self, b: Bucket) -> bool:
+        """After `gather` filled the buffers: each member's entry of a key not `owned` (nor `rebound`) becomes its part
+        of the buffer (the same values; its flat alias too), so the step writes the state in place and no step copies
+        it again. Returns whether any entry was adopted (the addresses `FlatInputs.current` checks changed)."""
+        todo = [k for k in self.keys if k not in self.owned and k not in self.rebound]
+        for k in todo:
+            for i, ts, part in zip(self.members, self.tstates, self.views[k]):
+                st = b.states[i]
+                st[k] = part.view(b.params[i].shape)
+                ts[k] = flat_alias(st[k])
+                self.adopted.append((st, k))
+            self.owned.add(k)
+        return bool(todo)
+
+    def release(self) -> None:
+        """Give each entry still a part of this pack's buffers memory of its own (a copy), before the pack is dropped
+        (other small params, another layout): no param's state then holds the other members' memory alive."""
+        for st, k in self.adopted:
+            v, buf = st.get(k), self.state.get(k)
+            if isinstance(v, torch.Tensor) and buf is not None and \
+                    v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                st[k] = v.clone()
+        self.adopted, self.owned = [], set()
 
 
 def _one_value(ts: list) -> bool:
@@ -241,6 +288,19 @@ def flat_inputs(b: Bucket, kept: dict) -> FlatInputs | None:
     if kept_inputs is not None and kept_inputs.current(b) and (inputs := kept_inputs.for_step(b)) is not None:
         return inputs
     if not can_flatten(b): return None
+    # small params whose tensor state is param-shaped or 0-d with one value for all (`_shared_keys`), of one dtype a key
+    tensors = lambda st: {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+    small = [i for i, p in enumerate(b.params) if p.numel() <= PACK_NUMEL]
+    dtypes = {k: v.dtype for k, v in tensors(b.states[small[0]]).items()} if small else {}
+    if any(b.states[i][k].dtype != d for i in small for k, d in dtypes.items()): small = []
+    shared = _shared_keys(b, small) if len(small) > 1 else ()
+    if shared is None or len(small) < 2: small = []
+    pack = kept.get('pack')
+    if pack is not None and not (small and pack.fits(small, [b.params[i] for i in small],
+                                                      [tensors(b.states[i]) for i in small], shared)):
+        pack.release()  # (before the aliases are made: its entries' copies are what they alias)
+        pack = None
+    if pack is not None: pack.claim(b)
     qs, tstates, now = [], [], {}
     for p, st in zip(b.params, b.states):
         q, old = kept.get(id(p), (None, {}))
@@ -250,23 +310,16 @@ def flat_inputs(b: Bucket, kept: dict) -> FlatInputs | None:
         qs.append(q)
         tstates.append(ts)
         now[id(p)] = (q, ts)
-    # small params whose tensor state is param-shaped or 0-d with one value for all (`_shared_keys`), of one dtype a key
-    small = [i for i, p in enumerate(b.params) if p.numel() <= PACK_NUMEL]
-    dtypes = {k: v.dtype for k, v in tstates[small[0]].items()} if small else {}
-    if any(tstates[i][k].dtype != d for i in small for k, d in dtypes.items()): small = []
-    shared = _shared_keys(b, small) if len(small) > 1 else ()
-    if shared is None: small = []
-    pack = kept.get('pack')
-    if len(small) > 1:
-        sq, sts = [qs[i] for i in small], [tstates[i] for i in small]
-        if pack is None or not pack.fits(small, sq, sts, shared): pack = Pack(small, sq, sts, shared)
+    if small:
+        if pack is None: pack = Pack(small, [qs[i] for i in small], [tstates[i] for i in small], shared)
         now['pack'] = pack
-    else: pack = None
     kept.clear()  # (only this step's params: one that left the bucket is not held)
     kept.update(now)
     inputs = FlatInputs(b, qs, tstates, pack)
     if known is not None: known['flat_inputs'] = inputs
-    return inputs.for_step(b, fresh=True)
+    stepped = inputs.for_step(b, fresh=True)
+    if stepped is not None and pack is not None and pack.adopt(b): inputs.addresses = inputs._addresses(b)
+    return stepped
 
 
 def release_grads(params: list) -> None:
