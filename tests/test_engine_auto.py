@@ -2,11 +2,14 @@
 torch's kernels where they apply, grads scaled inside the kernel)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import cbopt
 from cbopt.engine import Backend
+from cbopt.engine.flat import PACK_NUMEL as PACK
 from conftest import count_calls, make_model, NO_COMPILE_FALLBACK, set_grads, sharded
 
 pytestmark = NO_COMPILE_FALLBACK
@@ -120,3 +123,134 @@ def test_auto_runs_what_fused_runs_where_torch_has_the_kernel(grouped, monkeypat
     assert auto_calls == fused_calls == [['0.weight', '0.bias', '2.weight', '2.bias']] * 3
     assert all(torch.equal(a, f) for a, f in zip(auto_params, fused_params))
     assert sum(len(t) for v in times.values() for t in v.values()) == 1  # (the first step's only)
+
+
+def _lion_vs_loop(backend, steps: int = 8, model=None) -> tuple:
+    "`make_model`'s params (83 elements) after `steps` Lion steps with `backend`, its optimizer, and the loop's params."
+    out = []
+    for be in (backend, 'loop'):
+        m = model() if model else make_model()
+        opt = cbopt.Lion(m.parameters(), lr=0.01, wd=0.1, backend=be)
+        for i in range(steps):
+            set_grads(m, i)
+            opt.step()
+        out.append((m, opt))
+    return out[0][1], [p.detach() for p in out[0][0].parameters()], [p.detach() for p in out[1][0].parameters()]
+
+
+def _count_compiled(monkeypatch) -> list:
+    "A list that gets one entry (the bucket's size) per call of the compiled chain that `auto` makes."
+    from cbopt.engine import auto
+    calls, real = [], auto.compiled_bucket
+    monkeypatch.setattr(auto, 'compiled_bucket', lambda opt, b, *a: calls.append(len(b.params)) or real(opt, b, *a))
+    return calls
+
+
+def test_auto_compiles_a_large_bucket_of_an_elementwise_chain(monkeypatch) -> None:
+    """Lion (elementwise, no torch kernel) on a CPU bucket of at least `COMPILE_NUMEL` elements (lowered here to the
+    model's 83): auto creates the state eagerly, then makes the compiled chain a candidate, compiles it once (untimed),
+    times it `auto_trials` times beside foreach and the loop, and steps within the fused runner's tolerance of the loop
+    (tests/test_backends.py's 1e-6), whichever it picks."""
+    from cbopt.core.runtime import runtime
+    from cbopt.engine import auto
+    monkeypatch.setattr(auto, 'COMPILE_NUMEL', 83)
+    calls = _count_compiled(monkeypatch)
+    opt, got, ref = _lion_vs_loop('auto')
+    times = [v for v in runtime(opt).auto_times.values() if 'compiled' in v]
+    assert len(times) == 1 and all(len(t) == 2 for t in times[0].values()), runtime(opt).auto_times
+    assert len(calls) >= 3 and set(calls) == {4}  # (the compile, 2 timed trials; more if it won)
+    for a, b in zip(got, ref): torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize('why', ['small', 'tensor scope'])
+def test_auto_does_not_compile_a_small_bucket_or_a_chain_over_whole_tensors(why, monkeypatch) -> None:
+    """Below `COMPILE_NUMEL` (one element short here; the test suite's models and the bench's tiny sets are far below
+    the default), and for a chain that reduces over whole params (Lamb's norms: no flat graph), auto never compiles:
+    foreach and the loop only, as before, and the loop's numbers exactly."""
+    from cbopt.core.runtime import runtime
+    from cbopt.engine import auto
+    monkeypatch.setattr(auto, 'COMPILE_NUMEL', 84 if why == 'small' else 1)
+    calls = _count_compiled(monkeypatch)
+    if why == 'small': opt, got, ref = _lion_vs_loop('auto')
+    else:
+        got, ref = [], []
+        for be, out in (('auto', got), ('loop', ref)):
+            m = make_model()
+            opt = cbopt.Lamb(m.parameters(), lr=0.01, backend=be)
+            for i in range(6):
+                set_grads(m, i)
+                opt.step()
+            out += [p.detach() for p in m.parameters()]
+    assert calls == []
+    assert all(set(v) == {'foreach', 'loop'} for v in runtime(opt).auto_times.values())
+    for a, b in zip(got, ref): torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_default_threshold_keeps_small_models_uncompiled(monkeypatch) -> None:
+    """With the default `COMPILE_NUMEL`, Lion on a small model (a 6-256-3 MLP, as the suite's and the quick bench's
+    models are: thousands of elements) keeps today's choice, foreach or the loop: no compile in CI."""
+    from cbopt.engine import auto
+    assert auto.COMPILE_NUMEL >= 1 << 20
+    calls = _count_compiled(monkeypatch)
+    _lion_vs_loop('auto', model=lambda: torch.nn.Sequential(torch.nn.Linear(6, 256), torch.nn.Tanh(), torch.nn.Linear(256, 3)))
+    assert calls == []
+
+
+def _breaks_graphs(p, **kwargs):
+    "An elementwise callback that torch.compile cannot put in one graph (an explicit graph break); eagerly, nothing."
+    torch._dynamo.graph_break()
+
+
+_breaks_graphs.scope, _breaks_graphs.state = 'element', {}
+
+
+def test_a_chain_that_does_not_compile_drops_the_candidate_quietly(monkeypatch) -> None:
+    """An elementwise chain above the threshold that dynamo cannot compile in one graph: auto tries once, warns
+    nothing (it was not asked to compile), steps the bucket with foreach (every param once: the loop's numbers), and
+    never tries again."""
+    from cbopt.core.runtime import runtime
+    from cbopt.engine import auto
+    monkeypatch.setattr(auto, 'COMPILE_NUMEL', 1)
+    calls = _count_compiled(monkeypatch)
+    ps = [torch.nn.Parameter(torch.linspace(-1., 1., n)) for n in (3, 4)]
+    ref = [p.detach().clone() for p in ps]
+    opt = cbopt.Optimizer(ps, [_breaks_graphs, cbopt.sgd_step], lr=0.1, backend=Backend('auto', compiler='eager'))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for i in range(8):
+            for p, r in zip(ps, ref):
+                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
+                r.add_(p.grad, alpha=-0.1)
+            opt.step()
+            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+    assert calls == [2]
+    assert all(set(v) == {'foreach', 'loop'} for v in runtime(opt).auto_times.values())
+
+
+def test_a_compile_failure_after_some_chunks_ran_steps_only_the_rest(monkeypatch) -> None:
+    """A compiled call that fails on a later chunk (`CompileFailed.rest`: the params it did not touch): auto steps
+    only those with foreach, so that every param steps once, none twice, and drops the candidate."""
+    from cbopt.engine import auto, compiled
+    monkeypatch.setattr(auto, 'COMPILE_NUMEL', 1)
+    ps = [torch.nn.Parameter(torch.linspace(-1., 1., PACK + 1 + n)) for n in range(4)]  # (not packed: one place each)
+    ref = [p.detach().clone() for p in ps]
+    opt = cbopt.Optimizer(ps, [cbopt.sgd_step], lr=0.1, backend=Backend('auto', compiler='eager', compile_chunk=2))
+    tries = []
+
+    def chain(*args, **kwargs):
+        def fn(qs, ts, pystate, hyper):
+            tries.append(len(qs))
+            if len(tries) > 1: raise RuntimeError('inductor: unsupported op')
+            for q in qs: q.add_(q.grad, alpha=-0.1)  # (the first chunk steps)
+            return [{} for _ in qs], {}
+        return fn
+    monkeypatch.setattr(compiled, 'compiled_chain', chain)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for i in range(6):
+            for p, r in zip(ps, ref):
+                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
+                r.add_(p.grad, alpha=-0.1)
+            opt.step()
+            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+    assert tries == [2, 2]

@@ -20,7 +20,8 @@ class Runtime:
         self.no_compile: set = set()  # layouts whose chain did not compile
         self.per_param: set = set()   # layouts whose chain failed the foreach probe: they run param by param
         self.checked: set = set()     # chains checked for two callbacks creating one state entry
-        self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...]}
+        self.auto_times: dict = {}    # layout -> {'foreach': [s, ...], 'loop': [s, ...], 'compiled': [...] (large)}
+        self.compiled: set = set()    # layouts whose compiled chain `auto` compiled (its first call, untimed)
         self.flat_aliases: dict = {}  # layout -> the compiled chain's flat aliases kept between steps (`engine.flat.flat_inputs`)
         self.bucket_plan = None       # the last step's buckets, checked at the next (`buckets.planned_buckets`)
         self.device_counts = False    # some step counts are tensors on the device (`engine.dispatch.kernel_step_on_device`)

@@ -5,8 +5,8 @@
 - `foreach`: each callback once per bucket of params on `TensorList` stand-ins: `torch._foreach_*` kernels.
 - `fused`: the whole chain in one pass per bucket: torch's fused kernel when one computes exactly the chain
   (`kernels`), otherwise the chain compiled with `torch.compile` (`compiled`).
-- `auto`: torch's kernel if one matches, else foreach on accelerators, else the faster of foreach and loop as timed
-  on the first steps (CPU); see `auto`.
+- `auto`: torch's kernel if one matches, else foreach on accelerators, else the fastest of foreach, loop and (a
+  large bucket of an elementwise chain) the compiled chain, as timed on the first steps (CPU); see `auto`.
 
 Files: `backend` (`Backend`), `step` (a step's entry, eager or traced), `model_stage` (the whole-model callbacks),
 `dispatch` (buckets to runners, grad checks), `scaling`, `buckets` (which params one call serves), `foreach` (loop
