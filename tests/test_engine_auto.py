@@ -26,10 +26,13 @@ def _adam_steps(backend: str, steps: int = 4, group: dict | None = None, **kw) -
     return p.detach()
 
 
-def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh) -> None:
-    """On CPU, auto times foreach against loop, but not for DTensors: a choice by timing could differ between ranks.
-    The params step as plain ones do."""
+def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh, monkeypatch) -> None:
+    """On CPU, auto times foreach against loop (and the compiled chain, for a large elementwise bucket: any size here),
+    but not for DTensors: a choice by timing could differ between ranks. The params step as plain ones do."""
     from cbopt.core.runtime import runtime
+    from cbopt.engine import auto
+    monkeypatch.setattr(auto, 'COMPILE_NUMEL', 1)
+    calls = _count_compiled(monkeypatch)
     w = torch.nn.Parameter(sharded(one_rank_mesh, torch.arange(4.)))
     plain = torch.nn.Parameter(torch.arange(4.))
     opt, ref = cbopt.RMSProp([w], lr=0.1), cbopt.RMSProp([plain], lr=0.1, backend="loop")  # (no torch kernel)
@@ -37,7 +40,7 @@ def test_auto_runs_dtensors_with_foreach_untimed(one_rank_mesh) -> None:
         w.grad, plain.grad = sharded(one_rank_mesh, torch.full((4,), i + 1.)), torch.full((4,), i + 1.)
         opt.step()
         ref.step()
-    assert runtime(opt).auto_times == {}
+    assert runtime(opt).auto_times == {} and calls == []
     torch.testing.assert_close(w.full_tensor().detach(), plain.detach(), rtol=0, atol=0)
 
 
