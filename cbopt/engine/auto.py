@@ -95,7 +95,7 @@ def auto_bucket(opt, b: Bucket, hyper: Mapping) -> None:
             if _compiled(opt, b, hyper): rt.compiled.add(layout)
             return
         t = time.perf_counter()
-        _compiled(opt, b, hyper)  # (compiled: it cannot fail now)
+        _compiled(opt, b, hyper)  # (a recompile that fails drops the candidate as a first compile does)
         times.append(time.perf_counter() - t)
         return
     t = time.perf_counter()
