@@ -199,6 +199,19 @@ def test_the_default_threshold_keeps_small_models_uncompiled(monkeypatch) -> Non
     assert calls == []
 
 
+def _steps_as_plain_sgd(opt, ps: list, ref: list, steps: int) -> None:
+    """Step `opt` (plain SGD, lr 0.1, on `ps`) `steps` times, warnings as errors, each step's params exactly those of
+    `p - 0.1 * grad` on `ref` (every param stepped once, none twice)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for i in range(steps):
+            for p, r in zip(ps, ref):
+                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
+                r.add_(p.grad, alpha=-0.1)
+            opt.step()
+            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+
+
 def _breaks_graphs(p, **kwargs):
     "An elementwise callback that torch.compile cannot put in one graph (an explicit graph break); eagerly, nothing."
     torch._dynamo.graph_break()
@@ -218,14 +231,7 @@ def test_a_chain_that_does_not_compile_drops_the_candidate_quietly(monkeypatch) 
     ps = [torch.nn.Parameter(torch.linspace(-1., 1., n)) for n in (3, 4)]
     ref = [p.detach().clone() for p in ps]
     opt = cbopt.Optimizer(ps, [_breaks_graphs, cbopt.sgd_step], lr=0.1, backend=Backend('auto', compiler='eager'))
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        for i in range(8):
-            for p, r in zip(ps, ref):
-                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
-                r.add_(p.grad, alpha=-0.1)
-            opt.step()
-            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+    _steps_as_plain_sgd(opt, ps, ref, 8)
     assert calls == [2]
     assert all(set(v) == {'foreach', 'loop'} for v in runtime(opt).auto_times.values())
 
@@ -248,12 +254,5 @@ def test_a_compile_failure_after_some_chunks_ran_steps_only_the_rest(monkeypatch
             return [{} for _ in qs], {}
         return fn
     monkeypatch.setattr(compiled, 'compiled_chain', chain)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        for i in range(6):
-            for p, r in zip(ps, ref):
-                p.grad = torch.linspace(0., 1., p.numel()) * (i + 1)
-                r.add_(p.grad, alpha=-0.1)
-            opt.step()
-            for p, r in zip(ps, ref): torch.testing.assert_close(p.detach(), r, rtol=0, atol=0)
+    _steps_as_plain_sgd(opt, ps, ref, 6)
     assert tries == [2, 2]

@@ -238,6 +238,17 @@ def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
         with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False
 
 
+def _assert_follows_the_loop(m) -> None:
+    "`m`, stepped STEPS times by a compiled `cbopt.Adam` on the test's inputs, is within 1e-6 of the loop backend's run."
+    ref = make_model()
+    loop = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
+    for i in range(STEPS):
+        ref(torch.full((2, ref[0].in_features), float(i + 1))).sum().backward()
+        loop.step()
+        loop.zero_grad()
+    assert_rel_close(m, ref, rtol=1e-6)
+
+
 def test_missing_static_address_compiles_the_step_with_its_tensors_as_inputs(monkeypatch):
     """Without `torch._dynamo.mark_static_address`, a step compiled by an outer torch.compile keeps its params and
     state as graph inputs (guarded by their metadata): one warning, the loop's params, one graph over 4 steps."""
@@ -258,13 +269,7 @@ def test_missing_static_address_compiles_the_step_with_its_tensors_as_inputs(mon
     msgs = [str(w.message) for w in ws if 'mark_static_address' in str(w.message)]
     assert len(msgs) == 1, msgs
     assert counters['stats']['unique_graphs'] == 1
-    ref = make_model()
-    loop = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
-    for i in range(STEPS):
-        ref(torch.full((2, ref[0].in_features), float(i + 1))).sum().backward()
-        loop.step()
-        loop.zero_grad()
-    assert_rel_close(m, ref, rtol=1e-6)
+    _assert_follows_the_loop(m)
 
 
 def test_without_dynamos_init_group_handling_grads_are_guarded_as_tensors(monkeypatch):
@@ -294,10 +299,4 @@ def test_without_dynamos_init_group_handling_grads_are_guarded_as_tensors(monkey
         step()
         opt.zero_grad()
     assert counters['stats']['unique_graphs'] == 1
-    ref = make_model()
-    loop = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
-    for i in range(STEPS):
-        ref(torch.full((2, ref[0].in_features), float(i + 1))).sum().backward()
-        loop.step()
-        loop.zero_grad()
-    assert_rel_close(m, ref, rtol=1e-6)
+    _assert_follows_the_loop(m)
