@@ -431,6 +431,29 @@ def test_optimizers_compiled_in_one_process_compile_as_alone():
     assert opt.step.__code__ is not type(opt).step.hooked_fn.__code__  # (the last one's: its own code)
 
 
+
+def test_an_eager_step_between_compiled_ones_does_not_recompile():
+    """A process whose first step of a group's keys is compiled, then one eager step, then compiled steps again: one
+    graph. (The hyper keys of a group are cached per process after an eager step; had the traced step read that cache,
+    dynamo would have guarded that the group's keys were missing from it, and recompiled once they were added.)"""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = cbopt.Adam(model.parameters(), lr=torch.tensor(1e-2))
+    opt.param_groups[0]['a_key_no_other_test_uses'] = 1.0  # (a set of group keys new to this process)
+    ref = _model()
+    eager = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), backend='loop')
+    step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True)
+    for i in range(4):
+        for m in (model, ref): m(torch.full((2, 5), i + 1.)).pow(2).mean().backward()
+        (opt.step if i == 1 else step)()
+        eager.step()
+        opt.zero_grad()
+        eager.zero_grad()
+    assert graphs() == 1
+    assert_tensors_close(list(model.parameters()), list(ref.parameters()), rtol=1e-6)
+
+
 def rebinding_momentum(p, lr, mom, buf=None, **kwargs):
     "Momentum SGD whose callback returns a new buffer each step (no in-place update): a user's chain may."
     buf = (torch.zeros_like(p.grad.data) if buf is None else buf) * mom + p.grad.data

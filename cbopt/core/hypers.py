@@ -332,9 +332,10 @@ class Hypers(MutableMapping):
         if isinstance(g, TorchParamGroup): out = g.hyper_snapshot()
         else:
             keys = tuple(g)
-            if (hypers := _KEYS.get(keys)) is None:
+            if torch.compiler.is_compiling(): hypers = _hyper_keys(keys)  # (not `_KEYS`: dynamo would guard on its
+            elif (hypers := _KEYS.get(keys)) is None:                     # contents, and recompile once it changed)
                 hypers = _hyper_keys(keys)
-                if len(_KEYS) < 256 and not torch.compiler.is_compiling(): _KEYS[keys] = hypers
+                if len(_KEYS) < 256: _KEYS[keys] = hypers
             out = {k: v for k, v in (dict.items(g) if isinstance(g, dict) else g.items()) if k in hypers}  # (held entries)
         if not _PLAIN.issuperset(map(type, out.values())):  # (one C-level test per group and step where none is a tensor)
             for k, v in out.items():
