@@ -22,7 +22,7 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
   Were the mark ignored, dynamo would trace into those functions: `_off_dynamo` still works, with one graph break
   more; `prepare` would not trace (the step under an outer `torch.compile` breaks its graph).
 - `torch._dynamo.config` keys `force_parameter_static_shapes`, `assume_static_by_default`, and
-  `torch.fx.experimental._config.use_duck_shape` (`compile_config`; 2.13): the compiled chain's dynamic shapes
+  `torch.fx.experimental._config.use_duck_shape` (`chain_settings`; 2.13): the compiled chain's dynamic shapes
   (no recompile per param shape or flat-run size). Inductor's options `size_asserts` and
   `post_grad_custom_post_pass` (`inductor_options`; 2.13). An unknown key raises inside the compiled runner's
   fallback: that chain runs with foreach, with the runner's one-time warning. They are set around each compiled step
@@ -75,18 +75,17 @@ least 2.13, the version tested. Every one is in 2.13 (`settings.ini`'s floor).
 from __future__ import annotations
 
 import collections
-import contextlib
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'constant_result', 'dynamo_loaded',
-           'compile_config', 'trusted_cpu_isa', 'emulated_casts', 'chain_settings', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'UNCHECKED_GATHERS',
+           'chain_settings', 'DYNAMO_CONFIG', 'SHAPE_CONFIG', 'INDUCTOR_OPTIONS', 'GPU_INDUCTOR_OPTIONS', 'UNCHECKED_GATHERS',
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
@@ -211,8 +210,13 @@ def _nothing() -> None: return None
 
 
 def _isa_trust() -> Callable[[], Callable[[], None]]:
-    """`trusted_cpu_isa` as an `enter()` returning its exit (`_patcher`'s form); entering does nothing where this torch
-    lacks what it needs, or where the user set `cpp.vec_isa_ok` (`TORCHINDUCTOR_VEC_ISA_OK`)."""
+    """Inductor taking the CPU's vector ISA (AVX-512, AVX2...) from the flags the CPU reports (`cpp.vec_isa_ok`) instead
+    of compiling and loading a test program per ISA: most of a cold compile's cost that is not the chain's own (Lion
+    on GPT-2 small's params, 2-core EPYC: 8 of 18 CPU-s; the same ISA is picked). As an `enter()` returning its exit
+    (`_patcher`'s form). Inductor keeps the list it makes for the process: where none was made before and one was
+    made in between, it is dropped at the exit, so the process's other compiles probe as they would have. Entering
+    does nothing where this torch lacks what it needs, or where the user set `cpp.vec_isa_ok`
+    (`TORCHINDUCTOR_VEC_ISA_OK`)."""
     try:
         import torch._inductor.config as config
         from torch._inductor import cpu_vec_isa
@@ -238,47 +242,17 @@ def _isa_trust() -> Callable[[], Callable[[], None]]:
     return enter
 
 
-@contextlib.contextmanager
-def trusted_cpu_isa() -> Iterator[None]:
-    """Inductor taking the CPU's vector ISA (AVX-512, AVX2...) from the flags the CPU reports (`cpp.vec_isa_ok`) instead
-    of compiling and loading a test program per ISA: most of a cold compile's cost that is not the chain's own (Lion
-    on GPT-2 small's params, 2-core EPYC: 8 of 18 CPU-s; the same ISA is picked). Inductor keeps the list it makes
-    for the process: where none was made before and one was made in the block, it is dropped after, so the process's
-    other compiles probe as they would have. A user's `TORCHINDUCTOR_VEC_ISA_OK` (or `cpp.vec_isa_ok`) is kept. Where
-    this torch lacks these, the block runs as it is (inductor probes)."""
-    leave = _isa_trust()()
-    try: yield
-    finally: leave()
-
-
-@contextlib.contextmanager
-def compile_config(duck_shapes: bool) -> Iterator[None]:
-    """dynamo's settings for the compiled chain: dynamic shapes (`DYNAMO_CONFIG`), sizes shared by equal ones only with
-    `duck_shapes`. A key this torch does not know raises AttributeError on entry, before anything is compiled or
-    stepped (the compiled runner then falls back to foreach)."""
-    import torch._dynamo
-    import torch.fx.experimental._config as shape_config
-    with torch._dynamo.config.patch(**DYNAMO_CONFIG), shape_config.patch(**{SHAPE_CONFIG: duck_shapes}): yield
-
-
-@contextlib.contextmanager
-def emulated_casts() -> Iterator[None]:
-    """Inductor rounding each op to its dtype as eager does (`emulate_precision_casts`), for every compiled chain: on
-    16-bit params it would else fuse `p += u; comp += u - (p - before)` in fp32, and a Kahan compensation compensate
-    nothing; an fp32 chain's 16-bit math (Muon's bf16 iteration) would round otherwise than the loop (a chain of no
-    16-bit op compiles to the same code with it).
-    Read where the graph is lowered (a torch.compile option does not reach it): patched around the compiled calls."""
-    import torch._inductor.config as inductor_config
-    with inductor_config.patch(emulate_precision_casts=True): yield
-
-
 _CHAIN_SETTINGS: dict = {}  # (duck_shapes, inductor, cpu, the settings) -> `chain_settings`'s enter()
 
 
 def chain_settings(duck_shapes: bool, inductor: bool = True, cpu: bool = True) -> Callable[[], Callable[[], None]]:
     """The compiled chain's settings around its calls, as one `enter()` that sets them all and returns the function
-    that restores them: `compile_config`'s (`duck_shapes`), and with `inductor` `emulated_casts`' and, on the `cpu`,
-    `trusted_cpu_isa`'s. Made once per combination from torch's closure patchers (`_patcher`): a step pays a few
+    that restores them: dynamo's dynamic shapes (`DYNAMO_CONFIG`), sizes shared by equal ones only with `duck_shapes`;
+    with `inductor`, each op rounded to its dtype as eager does (`emulate_precision_casts`: on 16-bit params inductor
+    would else fuse `p += u; comp += u - (p - before)` in fp32, and a Kahan compensation compensate nothing; an fp32
+    chain's 16-bit math, Muon's bf16 iteration, would round otherwise than the loop; read where the graph is lowered,
+    which a torch.compile option does not reach), and on the `cpu` the ISA taken from the CPU's flags (`_isa_trust`).
+    Made once per combination from torch's closure patchers (`_patcher`): a step pays a few
     writes of settings, where entering the context managers cost a class made per setting and two `__setattr__`s each
     (GPT-2's 148 params, Lion, loaded 2-core CPU: about a tenth of the fused step's host time). Entered at each step,
     not only where a call compiles, because dynamo may recompile at any call (a param of one element, a guard that

@@ -170,7 +170,7 @@ bf16_cubic_step.state = {}
 
 def test_bf16_math_in_an_fp32_chain_rounds_as_eager() -> None:
     """Inductor computes a run of bf16 ops in fp32 and rounds once at the end unless told to round each as eager does
-    (`cbopt._torch.emulated_casts`): the compiled chain asks for it whatever the params' dtype, so a chain that computes
+    (`emulate_precision_casts`, in `cbopt._torch.chain_settings`): the compiled chain asks for it whatever the params' dtype, so a chain that computes
     in bf16 on fp32 params (Muon's Newton-Schulz iteration: 3e-3 of the largest weight off the loop after 20 steps on
     the CPU, 0.06 on an H200, without it) follows the loop backend."""
     ps = {b: [torch.nn.Parameter(torch.linspace(-1., 1., 300).view(20, 15))] for b in ('loop', 'fused')}

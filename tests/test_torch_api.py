@@ -3,6 +3,7 @@ its documented fallback with one warning, stepping what the loop backend steps; 
 the middle of a step. Also: an unknown dynamo setting or inductor option falls back to foreach inside the compiled
 runner's `try`."""
 import collections
+import contextlib
 import sys
 import warnings
 
@@ -203,10 +204,19 @@ def test_tree_paths_fallback_is_torchs(monkeypatch):
     assert all(torch.equal(_torch.tree_get(got, p), _torch.tree_get(want, p)) for p in paths)
 
 
-def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
-    """Inside `trusted_cpu_isa`, inductor takes the ISAs the CPU reports (`cpp.vec_isa_ok`): no test program is built.
-    The list it makes there is dropped after (with each ISA class's kept answer), so the process's other compiles probe
-    as they would have; a list made before is kept, and a user's own `vec_isa_ok` is never overridden."""
+@contextlib.contextmanager
+def _cpu_chain_settings():
+    "The compiled chain's settings on the CPU (`_torch.chain_settings`), entered for the block as the runner enters them."
+    leave = _torch.chain_settings(True)()
+    try: yield
+    finally: leave()
+
+
+def test_the_chains_cpu_settings_skip_the_isa_probes_and_leave_no_trace(monkeypatch):
+    """Inside the compiled chain's CPU settings, inductor takes the ISAs the CPU reports (`cpp.vec_isa_ok`): no test
+    program is built. The list it makes there is dropped after (with each ISA class's kept answer), so the process's
+    other compiles probe as they would have; a list made before is kept, and a user's own `vec_isa_ok` is never
+    overridden."""
     import functools
     import torch._inductor.config as config
     from torch._inductor import cpu_vec_isa
@@ -226,16 +236,16 @@ def test_trusted_cpu_isa_skips_the_isa_probes_and_leaves_no_trace(monkeypatch):
     # (inductor's settings through its own `patch`: monkeypatch would undo one by deleting it, which hides the
     # setting from inductor for the rest of the process)
     with config.patch({'cpp.vec_isa_ok': None}):
-        with _torch.trusted_cpu_isa():
+        with _cpu_chain_settings():
             listed(), bool(KeptAnswer())
             assert config.cpp.vec_isa_ok is True
         assert seen == [True] and config.cpp.vec_isa_ok is None
         assert listed.cache_info().currsize == 0 and KeptAnswer.__bool__.cache_info().currsize == 0  # dropped
         listed()  # made outside: kept through the block
-        with _torch.trusted_cpu_isa(): listed()
+        with _cpu_chain_settings(): listed()
         assert seen == [True, None] and listed.cache_info().currsize == 1
     with config.patch({'cpp.vec_isa_ok': False}):  # the user's (TORCHINDUCTOR_VEC_ISA_OK=0)
-        with _torch.trusted_cpu_isa(): assert config.cpp.vec_isa_ok is False
+        with _cpu_chain_settings(): assert config.cpp.vec_isa_ok is False
 
 
 def _assert_follows_the_loop(m) -> None:
