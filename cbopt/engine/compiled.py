@@ -29,7 +29,7 @@ from ..core.runtime import runtime, warn_once
 from ..core.quant import FORMATS, n_blocks
 from ..state.lowbit import pack, stored_base, stored_part, unpack
 from .buckets import Bucket, give_grad
-from .flat import FlatInputs, flat_chunks, flat_inputs, release_grads, shape_chunks
+from .flat import FlatInputs, flat_alias, flat_chunks, flat_inputs, release_grads, shape_chunks
 from .foreach import foreach_bucket
 from .scalars import ScalarArgsAsTensors, register_ops, scalars_once_pass
 
@@ -193,11 +193,6 @@ class PartlyStepped(RuntimeError):
     "A param stepped in pieces (`_in_pieces`) failed after its first pieces stepped: never handed to a fallback."
 
 
-def _piece_of(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    "`n` elements of the flat tensor `t`'s memory from `start`, an alias that is not a view (as `flat_alias`)."
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset() + start, (n,))
-
-
 def _piecewise(p: torch.Tensor, ts: Mapping, stored: Mapping, above: int) -> bool:
     """Whether the flat param `p` steps in pieces (`_in_pieces`): it has more than `above` elements, and its state
     tensors are all its size or stored parts of `stored`'s entries (elementwise: a piece's state is a piece of each)."""
@@ -217,14 +212,14 @@ def _in_pieces(fn: Callable, p: torch.Tensor, ts: Mapping, pystate: Mapping, hyp
     new_py, rest, ran = None, {}, False
     for a in range(0, p.numel(), piece):
         n = min(piece, p.numel() - a)
-        q = _piece_of(p, a, n)
-        give_grad(q, _piece_of(p.grad, a, n))
+        q = flat_alias(p, a, n)
+        give_grad(q, flat_alias(p.grad, a, n))
         pts = {}
         for k, v in ts.items():
             f = FORMATS[stored[stored_base(k)][0]] if stored_part(k) else None
-            if f is None: pts[k] = _piece_of(v, a, n)
-            elif stored_part(k) == 'codes': pts[k] = _piece_of(v, a // f.per_byte, f.codes_numel(n))
-            else: pts[k] = _piece_of(v, a // f.block, n_blocks(n, f.block))
+            if f is None: pts[k] = flat_alias(v, a, n)
+            elif stored_part(k) == 'codes': pts[k] = flat_alias(v, a // f.per_byte, f.codes_numel(n))
+            else: pts[k] = flat_alias(v, a // f.block, n_blocks(n, f.block))
         try:
             new_t, new_py = fn([q], [pts], pystate, hyper)
             ran = True

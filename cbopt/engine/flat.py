@@ -71,10 +71,10 @@ def can_flatten(b: Bucket) -> bool:
                for p, st in zip(b.params, b.states))
 
 
-def flat_alias(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s memory as a 1-D tensor. Not a view (`.view(-1)` is one): dynamo would guard on the shape of its base, and
-    compile a graph per rank again."""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),))
+def flat_alias(t: torch.Tensor, start: int = 0, n: int | None = None) -> torch.Tensor:
+    """`t`'s memory as a 1-D tensor (`n` elements of it from `start`: all of it by default). Not a view (`.view(-1)`
+    is one): dynamo would guard on the shape of its base, and compile a graph per rank again."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset() + start, (t.numel() - start if n is None else n,))
 
 
 def _same_memory(alias: torch.Tensor, t: torch.Tensor) -> bool:
