@@ -39,7 +39,7 @@ from .core.hypers import (HYPER_RULES, TORCH_FLAGS, TORCH_NAMES, Hypers, ParamGr
 from . import engine
 from ._torch import GradReader
 from .optimizer import Optimizer, complex_refused_at_step, takes_state_precision, unsupported_complex
-from .state.lowbit import SETTINGS
+from .state.lowbit import group_settings
 from .state.formats import TORCH_CHAIN_FLAGS
 from .state.torch_format import torch_group_entries
 from .state.torch_view import TorchState
@@ -276,7 +276,7 @@ class TorchOptimizer(Optimizer):
                                       self.backend, own_class=True)
         switches = {k: v for k, v in {**self._recipe[2], **own}.items() if k in _IMPL_FLAGS or k not in entries}
         out = TorchParamGroup({'params': g['params'], **entries, **switches, 'param_names': g['param_names'],
-                               **model_entries(g), **{k: g[k] for k in SETTINGS if k in g}})  # (its algorithm flags
+                               **model_entries(g), **group_settings(g)})  # (its algorithm flags
         # are its chain's: `entries`; low-bit state's settings are kept as they are)
         out['cbs'] = cbs
         for k, v in hyper.items():  # a hyper with no torch entry (a user's) is kept by cbopt's name, but at its

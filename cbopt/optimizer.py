@@ -29,7 +29,7 @@ from .core.names import canonical_names
 from .core.runtime import param_states
 from .core.spec import spec
 from .state import named_state_dict, prepare_load, torch_class_state_dict, torch_state_dict
-from .state.lowbit import MIN_QUANTIZE_SIZE, SETTINGS, check_settings
+from .state.lowbit import MIN_QUANTIZE_SIZE, SETTINGS, check_settings, group_settings
 from .state.lowbit import pack as lowbit_pack, param_plan as lowbit_plan, unpack as lowbit_unpack
 
 __all__ = ['Optimizer', 'rechain', 'on_create', 'takes_state_precision']
@@ -544,7 +544,7 @@ def rechain(opt: Optimizer, transform: Callable[[list], list], **hypers) -> Opti
     state dicts are shared, not copied."""
     def new_chain(cbs) -> list: return around_params(cbs, transform)
     groups = [{'params': list(g['params']), 'param_names': list(g['param_names']), **opt.hypers[i], **hypers,  # names kept
-               **{k: g[k] for k in SETTINGS if k in g},  # (low-bit state: stored as it was)
+               **group_settings(g),  # (low-bit state: stored as it was)
                'cbs': None if g['cbs'] is opt.cbs else new_chain(g['cbs'])} for i, g in enumerate(opt.param_groups)]
     res = Optimizer(groups, new_chain(opt.cbs), backend=opt.backend_options, **{**opt.defaults, **hypers})
     for g, mine in zip(opt.param_groups, res.param_groups): mine.update(model_entries(g))  # inner whole-model state

@@ -37,7 +37,7 @@ from ..core.spec import spec
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
-__all__ = ['PRECISIONS', 'MIN_QUANTIZE_SIZE', 'SETTINGS', 'check_settings', 'precision', 'chain_kinds', 'unkinded',
+__all__ = ['PRECISIONS', 'MIN_QUANTIZE_SIZE', 'SETTINGS', 'group_settings', 'check_settings', 'precision', 'chain_kinds', 'unkinded',
            'entry_format', 'param_plan', 'pack', 'unpack', 'Packed', 'logical', 'load_entry', 'stored', 'state_bytes',
            'dequantized_state', 'stored_part', 'stored_base', 'torch_stored_name', 'blocks_line_up', 'whole_parts']
 
@@ -51,6 +51,12 @@ SETTINGS = ('state_precision', 'min_quantize_size')
 """The group entries of low-bit state: shown in `param_groups`, saved with each group, never hypers."""
 _PARTS = ('codes', 'absmax', 'scale')
 
+
+
+def group_settings(group: Mapping) -> dict:
+    """The low-bit settings (`SETTINGS`) `group` holds: what a group made from it keeps (a wrapper's, a checkpoint's, a
+    torch-format group's), so that its state is stored as it was."""
+    return {k: group[k] for k in SETTINGS if k in group}
 
 def check_settings(precision_: Any, min_size: Any, where: str = '', params: Iterable = ()) -> None:
     """Refuse an unknown `state_precision` or a `min_quantize_size` that is not an int >= 1, naming the group; and

@@ -12,7 +12,7 @@ from ..core.chain import chain_counters, chain_name
 from ..core.hypers import Hypers, _plain, model_entries
 from ..core.dtensor import is_dtensor
 from ..core.runtime import param_states
-from .lowbit import SETTINGS, dequantized_state, whole_parts
+from .lowbit import dequantized_state, group_settings, whole_parts
 
 if TYPE_CHECKING: from ..optimizer import Optimizer
 
@@ -37,7 +37,7 @@ def named_state_dict(opt: Optimizer, dequantize: bool = False) -> dict:
                 s = dequantized_state(s, p, g) if dequantize else whole_parts(s, p, g)  # (a shard's: as one process's)
                 state[name] = {k: _snapshot(v, counters.get(k)) for k, v in s.items()}
     groups = [{**{k: _plain(v) for k, v in Hypers(g).items()}, **{k: _copied(_plain(v), host=True) for k, v in model_entries(g).items()},
-               **{k: g[k] for k in SETTINGS if k in g}, **({'state_precision': 'fp32'} if dequantize and 'state_precision' in g else {}),
+               **group_settings(g), **({'state_precision': 'fp32'} if dequantize and 'state_precision' in g else {}),
                'chain': chain_name(g['cbs']), 'params': list(g['param_names'])} for g in opt.param_groups]
     return {'state': state, 'param_groups': groups}
 

@@ -14,7 +14,7 @@ from ..core.hypers import NOT_HYPERS, TorchParamGroup, _plain, is_framework_key,
 from ..core.spec import spec
 from .formats import (TORCH_CHAIN_FLAGS, TORCH_DECOUPLED, TORCH_FIXED_FLAGS, TORCH_STEPLESS, chain_flags, foreign_state_keys,
                       torch_hyper_names, torch_model_entries, torch_state_names)
-from .lowbit import SETTINGS, stored_base, stored_part, torch_stored_name
+from .lowbit import group_settings, stored_base, stored_part, torch_stored_name
 from .save import torch_state_dict
 from .torch_view import PYTHON_STEPS, torch_scalar
 
@@ -42,7 +42,7 @@ def torch_class_state_dict(opt: Optimizer, cls: type, dequantize: bool = False) 
         if own_class:  # cbopt.optim's: as the group
             entries.update((k, _plain(v)) for k, v in g.items() if k in entries)  # holds them (its own `foreach`...)
         own = {k: _plain(v) for k, v in g.items() if is_framework_key(k, cbs) and k not in entries}  # timm's lr_scale...
-        groups.append({**entries, **own, **{k: saved[k] for k in SETTINGS if k in saved},  # (low-bit: its format)
+        groups.append({**entries, **own, **group_settings(saved),  # (low-bit: its format)
                        'param_names': saved['param_names'], 'params': saved['params']})
         names = {ours: theirs for theirs, ours in torch_state_names(cbs).items()}
         extras = [f for cb in cbs if (f := spec(cb).torch_extra_state) is not None]

@@ -26,7 +26,7 @@ from ..engine import Backend
 from ..core.hypers import ALIASES, Hypers
 from ..optimizer import Optimizer
 from ..core.runtime import param_states
-from ..state.lowbit import SETTINGS
+from ..state.lowbit import group_settings
 
 __all__ = ['CombinedOptimizer', 'prepend_opt_key']
 
@@ -92,7 +92,7 @@ class CombinedOptimizer(Optimizer):
                     keys_.append(key), params_.append(p)
                 hypers = Hypers(g).snapshot()  # (no torch aliases: `momentum` is `mom`)
                 groups.append({'params': params_, 'param_names': keys_, **hypers, 'cbs': list(g['cbs']),
-                               **{k: g[k] for k in SETTINGS if k in g}})  # (low-bit state: as the child stores it)
+                               **group_settings(g)})  # (low-bit state: as the child stores it)
                 self.group_prefixes.append(prefix)
         first = pairs[0][1]
         super().__init__(groups, [], backend=first.backend_options if backend is None else backend)

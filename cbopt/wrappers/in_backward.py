@@ -31,7 +31,7 @@ from ..engine.kernels import torch_kernel
 from ..core.hypers import Hypers
 from ..optimizer import Optimizer
 from ..core.runtime import param_states
-from ..state.lowbit import SETTINGS
+from ..state.lowbit import group_settings
 
 __all__ = ['InBackward', 'model_scope_callbacks']
 
@@ -78,7 +78,7 @@ class InBackward(Optimizer):
         _refuse_model_scope(opt)
         groups = [{'params': list(g['params']), 'param_names': list(g['param_names']),
                    **Hypers(g).snapshot(),  # (no torch aliases: `momentum` is `mom`)
-                   **{k: g[k] for k in SETTINGS if k in g},  # (low-bit state: stored as the wrapped one stores it)
+                   **group_settings(g),  # (low-bit state: stored as the wrapped one stores it)
                    'cbs': None if g['cbs'] is opt.cbs else list(g['cbs'])} for g in opt.param_groups]
         self._handles, self._hooked, self._index, self._stopped = [], set(), {}, False
         super().__init__(groups, list(opt.cbs), backend=opt.backend_options if backend is None else backend)
