@@ -34,6 +34,7 @@ from .compiled import CompileFailed, compiled_bucket
 from .foreach import foreach_bucket, loop_bucket
 from .kernels import torch_kernel
 from ..core.runtime import runtime
+from ..state.lowbit import precision
 
 __all__ = ['COMPILE_NUMEL', 'auto_bucket', 'may_compile', 'choose']
 
@@ -53,7 +54,7 @@ def may_compile(opt, b: Bucket) -> bool:
     compile or to run bucket-wise."""
     rt, layout = runtime(opt), b.layout
     return (layout in rt.seen and layout not in rt.no_compile and layout not in rt.per_param
-            and b.group.get('state_precision', 'fp32') == 'fp32' and chain_scope(b.cbs) == 'element'
+            and precision(b.group) == 'fp32' and chain_scope(b.cbs) == 'element'
             and sum(p.numel() for p in b.params) >= COMPILE_NUMEL)
 
 
