@@ -53,8 +53,8 @@ import cbopt
 from .contenders import (TORCHAO_LOWBIT, Entry, adam_contenders, catalogue, catalogue_contenders, cbopt_lowbit,
                          compile_step_contenders, entry_missing, installed, lowbit_contenders, missing, select,
                          stream_contenders, torchao_lowbit, train_contenders, train_step)
-from .harness import (Progress, cpu_s, cuda_peak_bytes, measure, numerics_gap, paired, pin_mmap_threshold, state_bytes,
-                      status_kb, timed)
+from .harness import (Progress, cpu_s, cuda_peak_bytes, empty_inductor_cache, measure, numerics_gap, paired,
+                      pin_mmap_threshold, state_bytes, status_kb, timed)
 from .params import PLACEMENT, Shapes, gpt2_at, make_params, numel, param_sets, tiny_gpt2
 
 __all__ = ['PARTS', 'CUDA_PARTS', 'run_case', 'TRAIN_ROWS', 'train_case', 'train_step_peak', 'in_backward_case',
@@ -366,37 +366,31 @@ def compile_step_case(shapes: list, rounds: int, warmup: int, progress: Progress
     step, as lion-pytorch's, compiles again at its second). Each pair is then checked to compute the same thing,
     compiled with `NUMERICS_COMPILER`. A pair whose reference is not installed is skipped, with its note."""
     compiler = compiler or COMPILE_STEP_COMPILER
-    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
     out = {'numel': sum(math.prod(s) for _, s in shapes), 'tensors': len(shapes), 'compiler': compiler, 'pairs': {}}
-    with tempfile.TemporaryDirectory(prefix='cbopt_bench_compile_step_') as cache:
-        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache
-        try:
-            torch.compile(lambda x: x * 2 + 1, backend=compiler)(torch.ones(4))  # (the compiler's one-time costs)
-            for name, (contenders, ours, ref) in compile_step_contenders(compiler).items():
-                contenders, skipped = installed(contenders)
-                if skipped:
-                    out['pairs'][name] = {'skipped': skipped}
-                    continue
-                if progress: progress.set(f'torch.compile(opt.step): {name}')
-                ps = make_params(shapes)
-                steps = {n: f(ps) for n, f in contenders.items()}
-                firsts = {n: _first_calls(step, max(warmup, 3)) for n, step in steps.items()}
-                if progress: progress.update(len(steps) * max(warmup, 3))
-                res = measure(steps, rounds, 1, progress)
-                del steps, ps
-                gc.collect()
-                for n, r in res.items():
-                    r.update(firsts[n])
-                    if 'median_s' in r: r['compile_s'] = sum(r['first_calls_s']) - len(r['first_calls_s']) * r['median_s']
-                compile_s = [res[n].get('compile_s') for n in (ours, ref)]
-                out['pairs'][name] = dict(
-                    results=res, ours=ours, ref=ref, step_ratio=paired(res, ours, ref),
-                    compile_ratio=compile_s[0] / compile_s[1] if None not in compile_s else None,
-                    numerics_gap=numerics_gap(compile_step_contenders(NUMERICS_COMPILER)[name][0], ref, shapes),
-                    tolerance=1e-6 if name == 'adam' else 1e-5)
-        finally:
-            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
-            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+    with empty_inductor_cache('cbopt_bench_compile_step_'):
+        torch.compile(lambda x: x * 2 + 1, backend=compiler)(torch.ones(4))  # (the compiler's one-time costs)
+        for name, (contenders, ours, ref) in compile_step_contenders(compiler).items():
+            contenders, skipped = installed(contenders)
+            if skipped:
+                out['pairs'][name] = {'skipped': skipped}
+                continue
+            if progress: progress.set(f'torch.compile(opt.step): {name}')
+            ps = make_params(shapes)
+            steps = {n: f(ps) for n, f in contenders.items()}
+            firsts = {n: _first_calls(step, max(warmup, 3)) for n, step in steps.items()}
+            if progress: progress.update(len(steps) * max(warmup, 3))
+            res = measure(steps, rounds, 1, progress)
+            del steps, ps
+            gc.collect()
+            for n, r in res.items():
+                r.update(firsts[n])
+                if 'median_s' in r: r['compile_s'] = sum(r['first_calls_s']) - len(r['first_calls_s']) * r['median_s']
+            compile_s = [res[n].get('compile_s') for n in (ours, ref)]
+            out['pairs'][name] = dict(
+                results=res, ours=ours, ref=ref, step_ratio=paired(res, ours, ref),
+                compile_ratio=compile_s[0] / compile_s[1] if None not in compile_s else None,
+                numerics_gap=numerics_gap(compile_step_contenders(NUMERICS_COMPILER)[name][0], ref, shapes),
+                tolerance=1e-6 if name == 'adam' else 1e-5)
     return out
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -17,7 +15,7 @@ from .cases import (CUDA_PARTS, PARTS, TRAIN_ROWS, catalogue_case, compile_case,
                     in_backward_case, lowbit_case, peak_memory, run_case, train_case)
 from .contenders import (STREAM_BYTES, adam_contenders, available_backends, catalogue, clip_contenders, installed,
                          lion_contenders, stream_contenders, unclipped_contenders)
-from .harness import Progress
+from .harness import Progress, empty_inductor_cache
 from .memory import state_memory
 from .params import gpt2_at, param_sets, placed
 from .report import machine, write
@@ -61,13 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"unknown optimizer(s) {unknown} for --optimizers: expected names of the catalogue")
     if args.threads: torch.set_num_threads(args.threads)
     if args.quick: return run(args)
-    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
-    with tempfile.TemporaryDirectory(prefix='cbopt_bench_inductor_') as cache:
-        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache  # an empty compile cache: compile times as a first run pays them
-        try: return run(args)
-        finally:
-            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
-            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+    with empty_inductor_cache('cbopt_bench_inductor_'): return run(args)  # compile times as a first run pays them
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -7,20 +7,23 @@ from the kernel's counters of this process (`status_kb`, with `pin_mmap_threshol
 on a GPU from torch's allocator (`cuda_peak_bytes`)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from .params import PLACEMENT, Shapes, make_params
 
-__all__ = ['Progress', 'timed', 'measure', 'paired', 'numerics_gap', 'status_kb', 'pin_mmap_threshold', 'state_bytes',
+__all__ = ['empty_inductor_cache', 'Progress', 'timed', 'measure', 'paired', 'numerics_gap', 'status_kb', 'pin_mmap_threshold', 'state_bytes',
            'cuda_peak_bytes', 'cpu_s']
 
 
@@ -50,6 +53,19 @@ class Progress:
         "End the bar."
         if self.bar is not None: self.bar.close()
 
+
+
+@contextlib.contextmanager
+def empty_inductor_cache(prefix: str) -> Iterator[str]:
+    """An empty inductor cache (a temporary `TORCHINDUCTOR_CACHE_DIR`, named from `prefix`) for the block, so that its
+    compile times are what a first run pays; the user's setting, if any, is restored after."""
+    before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    with tempfile.TemporaryDirectory(prefix=prefix) as cache:
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache
+        try: yield cache
+        finally:
+            if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
+            else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
 
 def timed(f: Callable) -> float:
     """Seconds one call of `f` takes: a CPU step returns when its work is done; a CUDA step (params `placed` on a GPU)

@@ -280,7 +280,7 @@ def compile_step_rows(part: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def compile_step_report(part: dict, quick: bool) -> str:
-    "Case 13's table, with what it timed and the pairs whose numerics differ."
+    "Case 14's table, with what it timed and the pairs whose numerics differ."
     gaps = {f"{n}: {row}": g for n, pair in part['pairs'].items() for row, g in pair.get('numerics_gap', {}).items()
             if g > pair['tolerance']}
     note = f"\n\nNUMERICS DIFFER (max |diff| after 3 steps): {gaps}" if gaps else ''
