@@ -52,7 +52,7 @@ from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
 from ..core.tensorlist import TensorList
 from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
-from .compiled import float64_0d_copies, is_float64_0d
+from .compiled import is_float64_0d
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
 
@@ -154,6 +154,7 @@ def prepare(opt) -> bool:
                     if _kept(v): static_address(v)
     opt.__dict__['_counters_are_tensors'] = True
     opt.__dict__['_traced_per_param'] = tuple(per_param)
+    opt.__dict__['_float64_keys'] = {gi: _float64_keys(opt, g) for gi, g in enumerate(opt.param_groups)}
     return True
 
 
@@ -184,7 +185,8 @@ def traced_step(opt) -> None:
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
         states = [param_states(opt)[p] for p in todo]
-        for st in states: st.update(float64_0d_copies(st))  # (see there: an in-place update of one would be lost)
+        if wide := _group_float64_keys(opt, gi):  # (see `float64_0d_copies`: an in-place update of one would be lost)
+            for st in states: st.update({k: st[k].clone() for k in wide if k in st})
         counters = chain_counters(cbs)
         if gi in per_param:
             with as_real(Bucket(g, todo, states)) as b:
@@ -248,6 +250,20 @@ def _in_place(before: Mapping, after: dict) -> None:
                    and o.device == n.device for o, n in pairs): continue
         for o, n in pairs: o.copy_(n)
         after[k] = old
+
+
+def _float64_keys(opt, g) -> tuple:
+    "The keys of the 0-d float64 entries in the state of group `g`'s params (`compiled.float64_0d_copies`)."
+    states = (param_states(opt).get(p) or {} for p in g['params'] if p.grad is not None)
+    return tuple(sorted({k for st in states for k, v in st.items() if is_float64_0d(v)}))
+
+
+@constant_result
+def _group_float64_keys(opt, gi: int) -> tuple:
+    """Group `gi`'s `_float64_keys`, as `prepare` found them: read eagerly (a constant of the trace), so the traced step
+    copies those entries alone instead of scanning every entry of every param's state, which dynamo guarded entry by
+    entry at every call (the keys of each dict, and each value's type, shape and dtype)."""
+    return opt.__dict__.get('_float64_keys', {}).get(gi, ())
 
 
 @constant_result
