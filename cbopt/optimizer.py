@@ -433,7 +433,7 @@ class Optimizer(torch.optim.Optimizer):
         if fmt == 'torch':
             if self.torch_class is None:
                 raise ValueError(f"state_dict(format='torch'): this optimizer has no torch.optim class of its own; name "
-                                 f"one, e.g. format=torch.optim.AdamW")
+                                 "one, e.g. format=torch.optim.AdamW")
             fmt = self.torch_class
         if fmt != 'cbopt' and not (isinstance(fmt, type) and issubclass(fmt, torch.optim.Optimizer)):
             raise ValueError(f"state_dict(format={fmt!r}): expected 'cbopt', 'torch' or a torch.optim class")
