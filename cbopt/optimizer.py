@@ -432,7 +432,7 @@ class Optimizer(torch.optim.Optimizer):
         fmt = self.state_dict_format if format is None else format
         if fmt == 'torch':
             if self.torch_class is None:
-                raise ValueError(f"state_dict(format='torch'): this optimizer has no torch.optim class of its own; name "
+                raise ValueError("state_dict(format='torch'): this optimizer has no torch.optim class of its own; name "
                                  "one, e.g. format=torch.optim.AdamW")
             fmt = self.torch_class
         if fmt != 'cbopt' and not (isinstance(fmt, type) and issubclass(fmt, torch.optim.Optimizer)):
