@@ -124,7 +124,7 @@ def readme_compile_step_line() -> str:
         pairs = [f"{p['ours']} {fmt(p['step_ratio'])}x {p['ref']}'s step time, {fmt(p['compile_ratio'])}x its compile"
                  for p in r['compile_step']['pairs'].values() if 'skipped' not in p]
         lines.append(f"on {which}, " + ', '.join(pairs))
-    return (f"`torch.compile(opt.step)` ({runs[0]['machine']['cpu']}, CPU, one thread, loaded): " + '; '.join(lines)
+    return (f"`torch.compile(opt.step)` ({runs[0]['machine']['cpu']}, CPU, one thread): " + '; '.join(lines)
             + '.')
 
 
