@@ -588,3 +588,24 @@ def test_a_state_changed_between_compiled_steps_traces_again_and_steps_as_eager(
     # traces: the first; the second step's, with the state the first step made (the callback declares none); one after
     # the sign changed; one after the entry was added
     assert graphs() == 4
+
+
+def test_float32_and_float64_params_in_one_group_compile_once_and_step_as_eager():
+    """NAdam keeps `mu_product` as a 0-d tensor of its param's precision. The traced step hands the chain copies of the
+    0-d float64 entries alone, so a float32 param's `mu_product` stays the static tensor it is: over 6 steps of a group
+    holding a float32 and a float64 param, one graph, and the eager step's numbers."""
+    torch._dynamo.reset()
+    counters.clear()
+    results = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]
+        opt = cbopt.NAdam(ps, lr=1e-2)
+        step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True) if compiled else opt.step
+        for i in range(6):
+            for p in ps: p.grad = torch.linspace(-1., 2., p.numel(), dtype=p.dtype).view(p.shape) * (i + 1)
+            step()
+        results.append([p.detach().clone() for p in ps])
+        assert [opt.state[p]['mu_product'].dtype for p in ps] == [torch.float32, torch.float64]
+    assert_tensors_close(results[0], results[1])
+    assert graphs() == 1

@@ -186,7 +186,7 @@ def traced_step(opt) -> None:
         transient = transient_keys(cbs)
         states = [param_states(opt)[p] for p in todo]
         if wide := _group_float64_keys(opt, gi):  # (see `float64_0d_copies`: an in-place update of one would be lost)
-            for st in states: st.update({k: st[k].clone() for k in wide if k in st})
+            for st in states: st.update({k: st[k].clone() for k in wide if is_float64_0d(st.get(k))})
         counters = chain_counters(cbs)
         if gi in per_param:
             with as_real(Bucket(g, todo, states)) as b:
