@@ -18,7 +18,7 @@ pack of 98, 1 graph of 8, 7 calls a step (19 unpacked). Other chains step params
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -45,13 +45,15 @@ def is_float64_0d(v) -> bool:
     return isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.float64
 
 
-def float64_0d_copies(ts: Mapping) -> dict:
+def float64_0d_copies(ts: Mapping, keys: Iterable | None = None) -> dict:
     """Copies, made in the graph, of a param's 0-d float64 state entries, which a compiled step hands the chain in
     their place. torch 2.13's AOT autograd drops every in-place update of a 0-d float64 graph input (as if it were one
     of dynamo's own tensorified Python floats: `m.mul_(x)`, `m.add_(x)`, `m.copy_(y)` alike, on CPU; NAdam's
     `mu_product` on float64 params), while a copy's update comes back as a new state entry, which the engine writes
-    back as it does any rebound entry."""
-    return {k: v.clone() for k, v in ts.items() if is_float64_0d(v)}
+    back as it does any rebound entry. `keys`: those entries only (a traced step's: known before it, so that dynamo
+    does not guard every entry it would scan)."""
+    if keys is None: return {k: v.clone() for k, v in ts.items() if is_float64_0d(v)}
+    return {k: ts[k].clone() for k in keys if is_float64_0d(ts.get(k))}
 
 
 def _fused_chain_fn(cbs, name: str, stored: Mapping | None = None) -> Callable:

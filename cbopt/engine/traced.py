@@ -52,7 +52,7 @@ from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
 from ..core.tensorlist import TensorList
 from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
-from .compiled import is_float64_0d
+from .compiled import float64_0d_copies, is_float64_0d
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
 
@@ -185,8 +185,8 @@ def traced_step(opt) -> None:
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
         states = [param_states(opt)[p] for p in todo]
-        if wide := _group_float64_keys(opt, gi):  # (see `float64_0d_copies`: an in-place update of one would be lost)
-            for st in states: st.update({k: st[k].clone() for k in wide if is_float64_0d(st.get(k))})
+        if wide := _group_float64_keys(opt, gi):  # (see there: an in-place update of one would be lost)
+            for st in states: st.update(float64_0d_copies(st, wide))
         counters = chain_counters(cbs)
         if gi in per_param:
             with as_real(Bucket(g, todo, states)) as b:
