@@ -229,7 +229,7 @@ def _in_pieces(fn: Callable, p: torch.Tensor, ts: Mapping, pystate: Mapping, hyp
                 if k in pts and v.shape == pts[k].shape: pts[k].copy_(v)
                 else: rest.setdefault(k, []).append(v)
         except Exception as e:
-            if a == 0 and not ran: raise  # (nothing stepped yet: the caller may hand the param to a fallback)
+            if not ran: raise  # (nothing stepped yet: the caller may hand the param to a fallback)
             raise PartlyStepped(f"the compiled low-bit step of a param of {p.numel()} elements failed on its piece "
                                 f"from element {a}, after its first pieces stepped: {type(e).__name__}: {e}") from e
     whole = lambda vs: torch.cat(vs) if sum(v.numel() for v in vs) == p.numel() and all(v.ndim for v in vs) else vs[-1]
