@@ -52,11 +52,11 @@ SETTINGS = ('state_precision', 'min_quantize_size')
 _PARTS = ('codes', 'absmax', 'scale')
 
 
-
 def group_settings(group: Mapping) -> dict:
     """The low-bit settings (`SETTINGS`) `group` holds: what a group made from it keeps (a wrapper's, a checkpoint's, a
     torch-format group's), so that its state is stored as it was."""
     return {k: group[k] for k in SETTINGS if k in group}
+
 
 def check_settings(precision_: Any, min_size: Any, where: str = '', params: Iterable = ()) -> None:
     """Refuse an unknown `state_precision` or a `min_quantize_size` that is not an int >= 1, naming the group; and

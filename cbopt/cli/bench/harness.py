@@ -54,7 +54,6 @@ class Progress:
         if self.bar is not None: self.bar.close()
 
 
-
 @contextlib.contextmanager
 def empty_inductor_cache(prefix: str) -> Iterator[str]:
     """An empty inductor cache (a temporary `TORCHINDUCTOR_CACHE_DIR`, named from `prefix`) for the block, so that its
@@ -66,6 +65,7 @@ def empty_inductor_cache(prefix: str) -> Iterator[str]:
         finally:
             if before is None: os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)
             else: os.environ['TORCHINDUCTOR_CACHE_DIR'] = before
+
 
 def timed(f: Callable) -> float:
     """Seconds one call of `f` takes: a CPU step returns when its work is done; a CUDA step (params `placed` on a GPU)
