@@ -87,19 +87,12 @@ def auto_bucket(opt, b: Bucket, hyper: Mapping) -> None:
     if (kernel := torch_kernel(b, hyper)) is not None: return kernel()
     if b.params[0].device.type != 'cpu' or is_dtensor(b.params[0]): return foreach_bucket(opt, b, hyper)
     rt, layout, name = runtime(opt), b.layout, choose(opt, b)
-    times = rt.auto_times[layout][name]
-    if len(times) >= opt.backend_options.auto_trials:
-        if name == 'compiled': return _compiled(opt, b, hyper)
-        return RUNNERS[name](opt, b, hyper)
-    if name == 'compiled':
-        if layout not in rt.compiled:  # the first call compiles (seconds): not a step's time
-            if _compiled(opt, b, hyper): rt.compiled.add(layout)
-            return
-        t = time.perf_counter()
-        _compiled(opt, b, hyper)  # (a recompile that fails drops the candidate as a first compile does)
-        times.append(time.perf_counter() - t)
+    if name == 'compiled' and layout not in rt.compiled:  # the first call compiles (seconds): not a step's time
+        if _compiled(opt, b, hyper): rt.compiled.add(layout)
         return
+    runner, times = _compiled if name == 'compiled' else RUNNERS[name], rt.auto_times[layout][name]
+    if len(times) >= opt.backend_options.auto_trials: return runner(opt, b, hyper)
     t = time.perf_counter()
-    ran_bucketwise = RUNNERS[name](opt, b, hyper)
+    ran_bucketwise = runner(opt, b, hyper)  # (a compiled call that fails drops the candidate, as a first compile)
     times.append(time.perf_counter() - t)
     if name == 'foreach' and ran_bucketwise: rt.seen.add(b.layout)  # (the layout after the step: its state complete)
