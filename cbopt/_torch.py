@@ -89,7 +89,7 @@ __all__ = ['in_dcp_init_step', 'warn_fallback', 'foreach_op', 'fused_kernel', 'c
            'inductor_options',
            'inductor_pass_api', 'op_kinds', 'metadata_guard', 'flatten_dense', 'device_dtype_groups', 'tree_leaves',
            'tree_paths', 'tree_get',
-           'data_getter', 'dynamo_counters', 'static_address', 'GradReader', 'COMPUTED_ONCE_CHUNK', 'computed_once', 'strong_wolfe']
+           'data_getter', 'dynamo_counters', 'static_address', 'GradReader', 'computed_once', 'strong_wolfe']
 
 _WARNED: set = set()
 
@@ -429,46 +429,16 @@ class GradReader(torch.optim.Optimizer):
         return False
 
 
-COMPUTED_ONCE_CHUNK = 8
-"""Values per buffer in `computed_once`: each value is a `where` on the chunk's vector, which inductor computes in one
-pass of its vector loop (8 float64 lanes); on the quick GPT-2 set (28 params) chunks of 8 compiled in the CPU time of
-the stacks before them, chunks of 16 in about 15% more."""
-
-
-def _gathered(values: list) -> torch.Tensor:
-    """The 0-d tensors `values` (one dtype and device) as one vector, by a chain of `where`s on its positions: one
-    pointwise op for inductor, where `torch.stack` is a concat (see `computed_once`)."""
-    at = torch.arange(len(values), device=values[0].device)
-    s = values[-1].expand(len(values))
-    for i in range(len(values) - 2, -1, -1): s = torch.where(at == i, values[i], s)
-    return s
-
-
 def computed_once(t: Any) -> Any:
-    """`t` (a 0-d tensor, or a `TensorList` of them) as values inductor computes once, before the loops over the
-    params' elements that read them: `where(t == t, t, exp(t))`, which is `t` bit for bit (NaN and inf too), holds an
-    `exp`, for which inductor's CPU code generator realizes a broadcast value into a buffer rather than inline its
-    computation into each loop (see the module docstring). A `TensorList`'s are gathered into vectors of at most
-    `COMPUTED_ONCE_CHUNK` values (`_gathered`), each realized once (one buffer per chunk, not a 0-d buffer per param,
-    which the compiled call would allocate at every call; inductor has no lowering of `_foreach_exp`, which it would
-    run as a kernel of its own, after which the consumers inline the values' computation again). Not by
-    `torch.stack`: on the CPU a stack is a concat kernel whose inputs each write a slice of its buffer, and the
-    compiled call made a view of each slice at every call (56 views a step on the quick GPT-2 set: its Adam step took
-    1.13x torch's compiled step, 0.93x with `_gathered`), and inductor schedules a concat in a time quadratic in its
-    inputs. Anything else, a tensor not on the CPU, or an eager call (where the mark would cost kernels) is returned
-    as it is."""
-    if not torch.compiler.is_compiling(): return t
-    ts = list(t) if isinstance(t, list) else [t]
-    first = ts[0] if ts else None  # (one read for all: a bucket's are on one device; one per param, a graph op each)
-    if not (isinstance(first, torch.Tensor) and first.ndim == 0 and first.is_cpu): return t
-    k = -(-len(ts) // COMPUTED_ONCE_CHUNK)  # (chunks of even sizes, each of at least 2 where there are 2 values)
-    out = []
-    for j in range(k):
-        part = ts[j * len(ts) // k:(j + 1) * len(ts) // k]
-        s = _gathered(part)
-        s = torch.where(s == s, s, s.exp())  # (read by one select per value, not one `unbind`: it has many users, so
-        out += [s[i] for i in range(len(part))]  # it is the one realized)
-    return type(t)(out) if isinstance(t, list) else out[0]
+    """`t` (a 0-d tensor) as a value inductor computes once, before the loops over the params' elements that read it:
+    `where(t == t, t, exp(t))`, which is `t` bit for bit (NaN and inf too), holds an `exp`, for which inductor's CPU
+    code generator realizes a broadcast value into a buffer rather than inline its computation into each loop (see the
+    module docstring): the traced step's bias corrections, float64 `pow`s of its bucket's one count, which inductor
+    would otherwise redo for each vector of each param's elements (Adam's compiled step took 1.3x torch's). Anything
+    else (a TensorList, a tensor not on the CPU, an eager call, where the mark would cost kernels) is returned as it
+    is."""
+    if not (torch.compiler.is_compiling() and isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_cpu): return t
+    return torch.where(t == t, t, t.exp())
 
 
 def dynamo_counters() -> Mapping:

@@ -9,7 +9,6 @@ CPU) where in-place writes to params and state are checked against eager mode.""
 import copy
 import operator
 import pickle
-import re
 import warnings
 
 import pytest
@@ -356,19 +355,15 @@ def test_an_outer_compiled_step_is_traced_whole_and_a_closure_runs_eagerly() -> 
         assert_tensors_close(ps, qs, msg=f'step {i}')
 
 
-_GATHER_OPS = (torch.where, operator.eq)  # `_torch.computed_once`'s gather: a position test and a `where` per value
-
-
 def _graph_ops(make, layers: int) -> int:
-    """The ops of the graph dynamo traces for `make`'s step on an MLP of `layers` Linear layers, beside indexing and
-    the gather of the values `computed_once` realizes (two ops per bias correction, which a chain has one or two of)."""
+    "The ops of the graph dynamo traces for `make`'s step on an MLP of `layers` Linear layers, beside indexing."
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
     opt = make(model.parameters())
     for p in model.parameters(): p.grad = torch.ones_like(p)
     ops = []
     def count(gm, example_inputs):
-        ops.append(sum(n.op == 'call_function' and n.target is not operator.getitem and n.target not in _GATHER_OPS
+        ops.append(sum(n.op == 'call_function' and n.target is not operator.getitem
                        for n in gm.graph.nodes))
         return gm.forward
     torch.compile(lambda: opt.step(), backend=count, fullgraph=True)()
@@ -490,17 +485,12 @@ def test_state_stays_the_same_tensors_and_a_rebound_entry_compiles_once():
     assert all(opt.state[p][k] is v for p in model.parameters() for k, v in first[id(p)].items())
 
 
-_ONE_PASS = re.compile(r'for\(int64_t (\w+)=static_cast<int64_t>\((\d+)L\); \1<static_cast<int64_t>\((\d+)L\); '
-                       r'\1\+=static_cast<int64_t>\((\d+)L\)\)')
-
-
 def _in_element_loops(code: str, needle: str) -> int:
-    """How many lines of inductor's C++ `code` hold `needle` inside a `for` loop that may run more than once (a loop
-    over a param's elements; not one over a chunk of `computed_once`'s values, one vector: a single pass)."""
+    "How many lines of inductor's C++ `code` hold `needle` inside a `for` loop (a loop over a param's elements)."
     depth, loops, pending, found = 0, [], False, 0
     for line in code.splitlines():
         if needle in line and loops: found += 1
-        if 'for(' in line and not ((m := _ONE_PASS.search(line)) and int(m[3]) - int(m[2]) <= int(m[4])): pending = True
+        if 'for(' in line: pending = True
         for ch in line:
             if ch == '{':
                 depth += 1
@@ -514,48 +504,78 @@ def _in_element_loops(code: str, needle: str) -> int:
 
 def test_inductor_computes_the_bias_corrections_once_and_steps_as_eager():
     """With inductor (torch.compile's default), the traced Adam step computes its float64 bias corrections once per
-    param, before the loops over its elements (`_torch.computed_once`), not for each vector of them, into one buffer
-    per bucket, not a 0-d buffer per param (which the compiled call allocates at every call), and still steps within
-    1e-6 of the eager step over 12 steps."""
+    bucket, from the bucket's one count (`_share_counts`), before the loops over its params' elements
+    (`_torch.computed_once`), not for each vector of them: two 0-d buffers for the model's one bucket, none per param;
+    and it still steps within 1e-6 of the eager step over 12 steps."""
     from torch._inductor.utils import run_and_get_code
     def make(ps, lr): return cbopt.Adam(ps, lr=lr, wd=0.01)
-    (model, _), codes = run_and_get_code(run, make, torch.tensor(1e-2), compiler='inductor')
+    (model, opt), codes = run_and_get_code(run, make, torch.tensor(1e-2), compiler='inductor')
     assert graphs() == 1
     ref, _ = run(make, torch.tensor(1e-2), compiled=False)
     assert_tensors_close(list(model.parameters()), list(ref.parameters()))
     code = '\n'.join(codes)
     assert code.count('std::pow') >= 2 and _in_element_loops(code, 'std::pow') == 0, code
-    assert 'empty_strided_cpu((), ()' not in code, code
+    assert code.count('empty_strided_cpu((), ()') == 2, code
+    assert opt.state_dict()['state'][0]['step'] == 12
 
 
-def test_bias_corrections_of_many_params_computed_in_chunks():
-    """A bucket of 40 params has its bias corrections gathered in chunks of at most `COMPUTED_ONCE_CHUNK` values, each
-    computed once, into one buffer per chunk: no pow in an element loop, no 0-d buffer, no view of a buffer per value,
-    and the eager step's params within 1e-6 after 3 steps."""
-    import re
+def test_a_bucket_steps_one_count_tensor_and_an_eager_step_between_keeps_them_right():
+    """A bucket of 40 params holds one count (`_share_counts`: 40 tensors, one storage), which the compiled step reads
+    once and writes back once: one `pow` per bias correction in the whole C++, none in an element loop. After 3 compiled steps, one
+    eager step in which one param has no grad (its count stays, the others' advance) and 3 compiled steps again, every
+    param is within 1e-6 of the eager optimizer's, each count is its param's own number of steps, and the params with
+    equal counts share a storage again, the other one a storage of its own."""
     from torch._inductor.utils import run_and_get_code
-    from cbopt._torch import COMPUTED_ONCE_CHUNK
     torch._dynamo.reset()
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(20)])
-    def train(m, step, opt):
-        for i in range(3):
+    def train(m, step, steps, skip=None):
+        for i in range(steps):
             for p in m.parameters(): p.grad = torch.full_like(p, 0.1 * (i + 1)) + p.detach()
+            if skip is not None: list(m.parameters())[skip].grad = None
             step()
     ours, ref = model(), model()
     opt = cbopt.Adam(ours.parameters(), lr=torch.tensor(1e-2), wd=0.01)
     eager = cbopt.Adam(ref.parameters(), lr=torch.tensor(1e-2), wd=0.01)
-    _, codes = run_and_get_code(train, ours, torch.compile(lambda: opt.step(), fullgraph=True), opt)
-    train(ref, eager.step, eager)
-    assert_tensors_close(list(ours.parameters()), list(ref.parameters()))
+    compiled = torch.compile(lambda: opt.step(), fullgraph=True)
+    _, codes = run_and_get_code(train, ours, compiled, 3)
+    train(ref, eager.step, 3)
     code = '\n'.join(codes)
-    assert code.count('std::pow') >= 2 and _in_element_loops(code, 'std::pow') == 0
-    assert 'empty_strided_cpu((), ()' not in code
-    sizes = [int(n) for n in re.findall(r'empty_strided_cpu\(\((\d+), \), \(1, \), torch\.float64\)', code)]
-    assert len(sizes) == 2 * -(-40 // COMPUTED_ONCE_CHUNK) > 2, sizes  # (2 corrections, one buffer per chunk)
-    assert max(sizes) <= COMPUTED_ONCE_CHUNK and sum(sizes) == 2 * 40, sizes
-    assert 'reinterpret_tensor(' not in code  # (no view of a buffer made per value at every call, as a stack's slices)
+    assert code.count('std::pow') == 2 and _in_element_loops(code, 'std::pow') == 0, code
+    raw = cbopt.core.runtime.param_states(opt)
+    counts = [raw[p]['step'] for p in ours.parameters()]
+    assert len({id(t) for t in counts}) == 40 and len({t.data_ptr() for t in counts}) == 1  # (each guarded: see there)
+    for m, step in ((ours, opt.step), (ref, eager.step)): train(m, step, 1, skip=5)
+    train(ours, compiled, 3)
+    train(ref, eager.step, 3)
+    assert_tensors_close(list(ours.parameters()), list(ref.parameters()))
+    steps = [opt.state_dict()['state'][i]['step'] for i in range(40)]
+    assert steps == [6 if i == 5 else 7 for i in range(40)], steps
+    ps = list(ours.parameters())
+    shared = {raw[p]['step'].data_ptr() for i, p in enumerate(ps) if i != 5}
+    assert len(shared) == 1 and raw[ps[5]]['step'].data_ptr() not in shared
+
+
+def test_a_count_set_for_one_param_between_compiled_steps_traces_again():
+    """Setting one param's step count through torch's names (`opt.state[p]['step'] = 0`, cbopt.optim) gives it a new
+    count tensor, never a write into its bucket's shared one: the compiled step traces again, buckets that param apart,
+    and steps every param as the eager optimizer with the same change, over 6 steps."""
+    results, raw = [], cbopt.core.runtime.param_states
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        model = _model()
+        opt = cbopt.optim.Adam(model.parameters(), lr=1e-2)
+        step = torch.compile(lambda: opt.step(), backend='eager', fullgraph=True) if compiled else opt.step
+        ps = list(model.parameters())
+        for i in range(6):
+            model(torch.ones(2, 5)).sum().backward()
+            if i == 3: opt.state[ps[1]]['step'] = torch.tensor(0.)
+            step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in ps])
+        assert [float(raw(opt)[p]['step']) for p in ps] == [6., 3., 6., 6.]
+    assert_tensors_close(results[0], results[1])
 
 
 def _signed_sgd(p, lr, sign=1.0, **kwargs):

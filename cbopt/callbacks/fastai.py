@@ -155,8 +155,8 @@ step_stat.sparse_grads = True  # (it reads no grad)
 def debias(mom: float, damp: float, step: int) -> float:
     "Bias correction of a moving average with `mom` after `step` steps."
     res = damp * (1 - mom ** step) / (1 - mom)
-    # a count as a tensor (the traced step's, float64): the correction computed once per param, not per vector of its
-    # elements, where inductor would inline its `pow` into the param's loop
+    # a count as a tensor (the traced step's, float64, one per bucket): the correction computed once, not per vector
+    # of each param's elements, where inductor would inline its `pow` into every param's loop
     return res if isinstance(step, (int, float)) else computed_once(res)
 
 

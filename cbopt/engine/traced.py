@@ -38,6 +38,7 @@ k`: with a tensor count those are data-dependent branches), which `prepare` find
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from numbers import Number
@@ -118,8 +119,9 @@ def _not_bucketwise(cbs: list, b: Bucket, hyper: Mapping):
 def prepare(opt) -> bool:
     """Run when dynamo traces a step, never in the graph (dynamo calls it eagerly and keeps its answer, as it does
     torch's `_init_group`). Returns whether every group with grads can be traced (see the module docstring); if so,
-    creates the declared state of params about to take their first step and turns the chains' Python counters into
-    0-d float64 tensors (`number_tensor`), so the graph steps them as inputs. Nothing changes otherwise."""
+    creates the declared state of params about to take their first step, turns the chains' Python counters into
+    0-d float32 tensors (`count_tensor`), so the graph steps them as inputs, one per bucket (`_share_counts`), and
+    marks the params and state static. Nothing changes otherwise."""
     from ..core.flags import split_flags
     from ..core.initial import initial_state
     todo, per_param = [], []
@@ -140,14 +142,18 @@ def prepare(opt) -> bool:
                     warn_once(opt, ('traced per param', name), f"callback {name!r} cannot run on a whole bucket of "
                               "params: a compiled step traces its chain once per param (a larger graph, a longer "
                               "compile)")
-            todo.append((g, cbs, fresh))
-        for g, cbs, fresh in todo:
+            todo.append((gi, g, cbs, fresh))
+        count_classes = {}
+        for gi, g, cbs, fresh in todo:
             for p, st in fresh.items(): param_states(opt)[p].update(st)
             counters = chain_counters(cbs)
             for p in g['params']:
                 st = param_states(opt).get(p)
                 for k in counters:
                     if st and isinstance(st.get(k), Number): st[k] = count_tensor(st[k], p)
+            count_classes[gi] = _share_counts(opt, g, counters, chain_scope(cbs) == 'tensor', gi not in per_param)
+            for p in g['params']:
+                st = param_states(opt).get(p)
                 if p.grad is None: continue
                 static_address(p)  # (as torch's compiled optimizers: identity guards, no inputs; see the module docstring)
                 for v in (st or {}).values():
@@ -155,7 +161,56 @@ def prepare(opt) -> bool:
     opt.__dict__['_counters_are_tensors'] = True
     opt.__dict__['_traced_per_param'] = tuple(per_param)
     opt.__dict__['_float64_keys'] = {gi: _float64_keys(opt, g) for gi, g in enumerate(opt.param_groups)}
+    opt.__dict__['_count_classes'] = count_classes
     return True
+
+
+def _share_counts(opt, g, counters: Mapping, by_rank: bool, bucketwise: bool) -> tuple:
+    """Makes the params of group `g` that one traced call of the chain steps with one count (a bucket's params with a
+    grad, `_traced_buckets`, whose counts are equal, as the eager step buckets them by their counts) hold one count,
+    per counter: tensors of their own that share one storage (`_same_count`), so that the chain computes its bias
+    corrections once per bucket, from one count, and the graph writes one count back, where it did both once per
+    param. Every other param gets a count with a storage of its own (every param, with `bucketwise` False: a chain
+    traced per param steps each param's count). Each param's count stays a tensor of its own, which dynamo guards by
+    identity: a count given anew to one param (`counters_as_numbers`, `TorchParamState`) traces the step again, and
+    this sharing is worked out again. Returns the class (its bucket of equal counts) of each param with a grad, in
+    the group's order; counts that already share a storage among exactly their class's params are kept, so a step
+    traced again finds the tensors of the graphs it compiled before."""
+    states = param_states(opt)
+    def held() -> Counter:
+        return Counter(v.data_ptr() for p in g['params'] for k in counters
+                       if isinstance(v := (states.get(p) or {}).get(k), torch.Tensor))
+    holders, members, classes, out = held(), {}, {}, []
+    for p in g['params']:
+        if p.grad is None or not bucketwise: continue
+        st = states.get(p) or {}
+        counts = tuple((k, st[k].item()) for k in counters if isinstance(st.get(k), torch.Tensor))
+        cls = classes.setdefault((_bucket_key(0, p, st, by_rank), counts), len(classes))
+        members.setdefault(cls, []).append(st)
+        out.append(cls)
+    for sts in members.values():
+        for k in counters:
+            if not isinstance(first := sts[0].get(k), torch.Tensor): continue
+            ptr = first.data_ptr()
+            if holders[ptr] == len(sts) and all(st[k].data_ptr() == ptr for st in sts): continue
+            first = count_tensor(first.item(), first)
+            for st in sts: st[k] = _same_count(first)
+    in_class = {id(st) for sts in members.values() for st in sts}
+    holders = held()
+    for p in g['params']:
+        st = states.get(p)
+        if not st or id(st) in in_class: continue
+        for k in counters:
+            if isinstance(v := st.get(k), torch.Tensor) and holders[v.data_ptr()] > 1:
+                holders[v.data_ptr()] -= 1
+                st[k] = count_tensor(v.item(), v)
+    return tuple(out)
+
+
+def _same_count(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own holding `t`'s storage (not a view: no `_base`), so that a write into either is seen by both,
+    and dynamo, which guards one tensor object once however many state entries hold it, guards each by identity."""
+    return t.detach()
 
 
 def can_trace(opt) -> bool:
@@ -196,7 +251,7 @@ def traced_step(opt) -> None:
                     _in_place(before, st)
             continue
         grad_of = {id(p): grad for p, grad in zip(todo, grads)}
-        for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor'):
+        for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor', _group_count_classes(opt, gi)):
             with torch.no_grad(), as_real(b) as real:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
                 if real is b:  # (the grads as read: a param's `.grad` read again would be guarded as a tensor)
                     p = TensorList(b.params)
@@ -273,12 +328,20 @@ def _per_param_groups(opt) -> tuple:
     return opt.__dict__.get('_traced_per_param', ())
 
 
-def _traced_buckets(g, params: list, states: list, by_rank: bool) -> list[Bucket]:
+@constant_result
+def _group_count_classes(opt, gi: int) -> tuple:
+    """The class of each of group `gi`'s params with a grad, as `prepare` found them (`_share_counts`): read eagerly (a
+    constant of the trace)."""
+    return opt.__dict__.get('_count_classes', {}).get(gi, ())
+
+
+def _traced_buckets(g, params: list, states: list, by_rank: bool, classes: tuple) -> list[Bucket]:
     """A group's params with a grad, in buckets one call of the chain serves (as `buckets.buckets`: device, dtype,
-    state keys and Python values; rank, for a chain reducing over whole params), worked out while dynamo traces."""
+    state keys and Python values; rank, for a chain reducing over whole params; and their count, one tensor per
+    bucket: `classes`, from `_share_counts`), worked out while dynamo traces."""
     out: dict = {}
-    for p, st in zip(params, states):
-        b = out.setdefault(_bucket_key(0, p, st, by_rank), Bucket(g, [], []))
+    for p, st, cls in zip(params, states, classes, strict=True):
+        b = out.setdefault((_bucket_key(0, p, st, by_rank), cls), Bucket(g, [], []))
         b.params.append(p)
         b.states.append(st)
     return list(out.values())
@@ -286,22 +349,20 @@ def _traced_buckets(g, params: list, states: list, by_rank: bool) -> list[Bucket
 
 @contextmanager
 def _wide_counts(state: dict, counters: Mapping) -> Iterator[None]:
-    """The chain's counters in `state` (a param's tensors, or a bucket's TensorLists of them) handed to the chain as
-    float64 copies made in the graph (float32 on MPS), so that it computes from them (bias corrections) as the eager
-    step does from Python numbers; after the chain, each count's new value is copied back into the count's own tensor
-    in place (exact up to 2**24), as torch's compiled step adds 1 to its `step`: the graph writes its inputs and returns
-    nothing for them, and dynamo puts nothing back into the state dicts."""
+    """The chain's counters in `state` (a param's tensors, or a bucket's TensorLists of them, which share one storage:
+    `_share_counts`) handed to the chain as a float64 copy of the first, made in the graph (float32 on MPS), so that
+    it computes from it (bias corrections) as the eager step does from its Python number, once per bucket as the
+    eager step does; after the chain, the count's new value is copied back into that tensor in place, and so into the
+    storage of the whole bucket's counts (exact up to 2**24), as torch's compiled step adds 1 to its `step`: the graph
+    writes its inputs and returns nothing for them, and dynamo puts nothing back into the state dicts."""
     counts = {}
     for k in counters:
         v = state.get(k)  # (no walrus in a comprehension: dynamo cannot trace its cell)
-        if isinstance(v, (torch.Tensor, TensorList)): counts[k] = v
-    for k, v in counts.items():
-        state[k] = TensorList([t.to(_wide(t)) for t in list(v)]) if isinstance(v, TensorList) else v.to(_wide(v))
+        if isinstance(v, (torch.Tensor, TensorList)): counts[k] = (v, list(v)[0] if isinstance(v, TensorList) else v)
+    for k, (_, t) in counts.items(): state[k] = t.to(_wide(t))
     yield
-    for k, v in counts.items():
-        if isinstance(v, TensorList):
-            for t, n in zip(list(v), list(state[k]), strict=True): t.copy_(n)
-        else: v.copy_(state[k])
+    for k, (v, t) in counts.items():
+        t.copy_(state[k])
         state[k] = v
 
 
@@ -313,7 +374,9 @@ def _wide(t: torch.Tensor) -> torch.dtype:
 def counters_as_numbers(opt) -> Iterator[None]:
     """For an eager step (which buckets params by their counts and lets callbacks branch on them): the counters a
     traced step keeps as tensors, as Python numbers of their declared type, written back into their tensors after,
-    so a traced step that follows finds the same inputs. Free for an optimizer that was never traced."""
+    so a traced step that follows finds the same inputs; a param whose count no longer equals the others' of its
+    shared tensor (`_share_counts`: it had no grad) gets a tensor of its own, which fails the compiled step's
+    guards, so that it traces again. Free for an optimizer that was never traced."""
     if not opt.__dict__.get('_counters_are_tensors'):
         yield
         return
@@ -331,7 +394,9 @@ def counters_as_numbers(opt) -> Iterator[None]:
             held.append((st, k, v))
     try: yield
     finally:
+        filled = {}
         for st, k, t in held:
             if isinstance(v := st.get(k), Number):
-                t.fill_(v)
+                if filled.setdefault(t.data_ptr(), v) != v: t = count_tensor(v, t)  # (a bucket's, now different)
+                else: t.fill_(v)
                 st[k] = t

@@ -103,8 +103,12 @@ class TorchParamState(MutableMapping):
     def __setitem__(self, k: str, v: Any) -> None:
         ours = _renamed(k, self.names.from_torch)
         if ours in self.names.counters:  # the engine's counter: a number of its declared type (a tensor, if traced)
-            if isinstance(cur := self.raw.get(ours), torch.Tensor): cur.fill_(float(v))
-            else: self.raw[ours] = self.names.counters[ours](v.item() if isinstance(v, torch.Tensor) else v)
+            n = v.item() if isinstance(v, torch.Tensor) else v
+            # (a traced step's count is a new tensor, not written into: its storage may be its bucket's, see
+            # `engine.traced._share_counts`; a new tensor fails the compiled step's guards, which traces again)
+            if isinstance(cur := self.raw.get(ours), torch.Tensor):
+                self.raw[ours] = torch.tensor(float(n), dtype=cur.dtype, device=cur.device)
+            else: self.raw[ours] = self.names.counters[ours](n)
         elif self.first and k in self.names.model: self.group[self.names.model[k][0]] = v  # (the group's entry)
         elif k in self._extras(): return  # (computed from the step count and hypers: nothing to keep)
         else: self.raw[ours] = v
