@@ -15,6 +15,7 @@ Anything else a callback gets wrong (a shape mismatch, a name tensors do not hav
 from __future__ import annotations
 
 import inspect
+import operator
 from numbers import Number
 from typing import Any
 
@@ -153,9 +154,10 @@ class TensorList(list):
         if func is torch.linalg.vector_norm: return _vector_norm(*args, **kwargs)
         name = getattr(func, '__name__', '')
         if name in _OPERATORS and len(args) == 2 and not kwargs and func is not getattr(torch, name, None):
-            a, b = args  # (`_zip_call`'s ops, one per param, without its handling of any arguments: see `_OPERATORS`)
-            if isinstance(a, TensorList) and not isinstance(b, TensorList): return TensorList([func(t, b) for t in list(a)])
-            if isinstance(b, TensorList) and not isinstance(a, TensorList): return TensorList([func(a, t) for t in list(b)])
+            op, reflected = _OPERATORS[name]  # (one op per param, without `_zip_call`'s handling of any arguments)
+            a, b = reversed(args) if reflected else args
+            if isinstance(a, TensorList) and not isinstance(b, TensorList): return TensorList([op(t, b) for t in list(a)])
+            if isinstance(b, TensorList) and not isinstance(a, TensorList): return TensorList([op(a, t) for t in list(b)])
         if args and isinstance(args[0], TensorList) and func is getattr(torch, name, None) \
                 and getattr(cls, name, None) not in (None, getattr(list, name, None)):
             return getattr(args[0], name)(*args[1:], **kwargs)  # torch.sqrt(tl), torch.add(tl, 1)...: the method
@@ -335,15 +337,19 @@ class TensorList(list):
     def __invert__(self): return _zip_call(torch.Tensor.__invert__, (self,), {})
 
 
-_OPERATORS = frozenset({'__add__', '__radd__', '__mul__', '__rmul__', '__sub__', '__rsub__', '__truediv__',
-                        '__rtruediv__', '__rdiv__', 'add', 'mul', 'sub', 'div'})
-"""The tensor operators `__torch_function__` gets with a tensor and a TensorList: `t * tl` (Python calls the tensor's
-operator first), and in a compiled step `tl * t` and `tl / t` too (dynamo hands an operator with a tensor operand to
-`__torch_function__`, as `Tensor.mul(t, tl)` or `Tensor.__rdiv__(t, tl)`, where Python calls `TensorList.__mul__`).
-Each runs as one op per param, as `_zip_call` runs any function, but without its handling of any arguments, which
-dynamo traced anew for each param: a fifth of a compiled Adam step's traced instructions. (Per param, not a foreach
-kernel with the lone tensor: inductor compiled Adam's step in about 20% more time with `_foreach_mul(list, t)`, and
-it ran slower.)"""
+_OPERATORS = {'__add__': (operator.add, False), '__radd__': (operator.add, True), 'add': (operator.add, False),
+              '__mul__': (operator.mul, False), '__rmul__': (operator.mul, True), 'mul': (operator.mul, False),
+              '__sub__': (operator.sub, False), '__rsub__': (operator.sub, True), 'sub': (operator.sub, False),
+              '__truediv__': (operator.truediv, False), '__rtruediv__': (operator.truediv, True),
+              '__rdiv__': (operator.truediv, True), 'div': (operator.truediv, False)}
+"""The tensor operators `__torch_function__` gets with a tensor and a TensorList, by name -> (the operator, whether
+it is reflected: `Tensor.__rsub__(a, b)` is `b - a`): `t * tl` (Python calls the tensor's operator first), and in a
+compiled step `tl * t` and `tl / t` too (dynamo hands an operator with a tensor operand to `__torch_function__`, as
+`Tensor.mul(t, tl)` or `Tensor.__rdiv__(t, tl)`, where Python calls `TensorList.__mul__`). Each runs as the operator
+once per param, as `_zip_call` would run it, but without its handling of any arguments (which dynamo traced anew for
+each param: a third of a compiled Adam step's traced instructions) and of `Tensor.__rdiv__`'s (a reciprocal, then a
+product: `tl / t` is a division per param, as in eager mode). Per param, not a foreach kernel with the lone tensor:
+inductor compiled Adam's step in about 20% more time with `_foreach_mul(list, t)`, and it ran slower."""
 
 
 def _per_tensor_method(name: str):

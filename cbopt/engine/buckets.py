@@ -352,8 +352,9 @@ def as_real(b: Bucket) -> Iterator[Bucket]:
     """`b` with its complex params, grads and state viewed as real tensors of shape `(..., 2)`, as torch.optim steps
     complex params: every callback's math is then the real one, on the real and imaginary parts. In-place updates
     reach the complex tensors through the views; a new state tensor of a param's real shape is kept complex (as
-    torch's state is), so checkpoints hold the params' own dtype. A bucket of real params is given as it is."""
-    if not any(map(torch.Tensor.is_complex, b.params)):
+    torch's state is), so checkpoints hold the params' own dtype. A bucket of real params is given as it is (its
+    first param says: a bucket's params share a dtype)."""
+    if not (b.params and b.params[0].is_complex()):
         yield b
         return
     params, states = [], []

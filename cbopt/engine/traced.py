@@ -239,13 +239,15 @@ def traced_step(opt) -> None:
         if not todo: continue
         cbs = param_chain(g['cbs'])
         transient = transient_keys(cbs)
-        states = [param_states(opt)[p] for p in todo]
+        all_states = param_states(opt)  # (after the grads: see `_with_grads`)
+        states = [all_states[p] for p in todo]
         if wide := _group_float64_keys(opt, gi):  # (see there: an in-place update of one would be lost)
             for st in states: st.update(float64_0d_copies(st, wide))
         counters = chain_counters(cbs)
         if gi in per_param:
-            with as_real(Bucket(g, todo, states)) as b:
-                for p, st in zip(b.params, b.states):
+            for q, qst in zip(todo, states):
+                with as_real(Bucket(g, [q], [qst])) as b:  # (a bucket of one: the group's params may differ in dtype)
+                    p, st = b.params[0], b.states[0]
                     before = dict(st)
                     with _wide_counts(st, counters): run_param(cbs, p, st, hyper, transient)
                     _in_place(before, st)
