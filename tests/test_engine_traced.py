@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import cbopt
 from cbopt.core.chain import zeros
+from cbopt.engine.traced import TRACED_BUCKET_PARAMS
 from conftest import assert_tensors_close, NO_COMPILE_FALLBACK, sharded
 
 pytestmark = NO_COMPILE_FALLBACK
@@ -521,11 +522,12 @@ def test_inductor_computes_the_bias_corrections_once_and_steps_as_eager():
 
 
 def test_a_bucket_steps_one_count_tensor_and_an_eager_step_between_keeps_them_right():
-    """A bucket of 40 params holds one count (`_share_counts`: 40 tensors, one storage), which the compiled step reads
-    once and writes back once: one `pow` per bias correction in the whole C++, none in an element loop. After 3 compiled steps, one
-    eager step in which one param has no grad (its count stays, the others' advance) and 3 compiled steps again, every
-    param is within 1e-6 of the eager optimizer's, each count is its param's own number of steps, and the params with
-    equal counts share a storage again, the other one a storage of its own."""
+    """40 params with equal counts step in two traced buckets (`TRACED_BUCKET_PARAMS`, 32, then 8), each holding one
+    count (`_share_counts`: 40 tensors, two storages), which the compiled step reads once and writes back once: one
+    `pow` per bias correction per bucket in the whole C++, none in an element loop. After 3 compiled steps, one eager
+    step in which one param has no grad (its count stays, the others' advance) and 3 compiled steps again, every param
+    is within 1e-6 of the eager optimizer's, each count is its param's own number of steps, and the params with equal
+    counts share a storage again, 32 to a storage, the other one a storage of its own."""
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     def model():
@@ -543,19 +545,27 @@ def test_a_bucket_steps_one_count_tensor_and_an_eager_step_between_keeps_them_ri
     _, codes = run_and_get_code(train, ours, compiled, 3)
     train(ref, eager.step, 3)
     code = '\n'.join(codes)
-    assert code.count('std::pow') == 2 and _in_element_loops(code, 'std::pow') == 0, code
+    assert TRACED_BUCKET_PARAMS == 32
+    assert code.count('std::pow') == 4 and _in_element_loops(code, 'std::pow') == 0, code
     raw = cbopt.core.runtime.param_states(opt)
     counts = [raw[p]['step'] for p in ours.parameters()]
-    assert len({id(t) for t in counts}) == 40 and len({t.data_ptr() for t in counts}) == 1  # (each guarded: see there)
+    assert len({id(t) for t in counts}) == 40  # (each guarded: see `_same_count`)
+    assert _storages(counts) == [list(range(32)), list(range(32, 40))]
     for m, step in ((ours, opt.step), (ref, eager.step)): train(m, step, 1, skip=5)
     train(ours, compiled, 3)
     train(ref, eager.step, 3)
     assert_tensors_close(list(ours.parameters()), list(ref.parameters()))
     steps = [opt.state_dict()['state'][i]['step'] for i in range(40)]
     assert steps == [6 if i == 5 else 7 for i in range(40)], steps
-    ps = list(ours.parameters())
-    shared = {raw[p]['step'].data_ptr() for i, p in enumerate(ps) if i != 5}
-    assert len(shared) == 1 and raw[ps[5]]['step'].data_ptr() not in shared
+    others = [i for i in range(40) if i != 5]
+    assert _storages([raw[p]['step'] for p in ours.parameters()]) == [others[:32], [5], others[32:]]
+
+
+def _storages(ts: list) -> list:
+    "The indices of `ts` grouped by the storage they hold, in order of first appearance."
+    by_ptr: dict = {}
+    for i, t in enumerate(ts): by_ptr.setdefault(t.data_ptr(), []).append(i)
+    return list(by_ptr.values())
 
 
 def test_a_count_set_for_one_param_between_compiled_steps_traces_again():
