@@ -99,6 +99,13 @@ def _wrap(res: list):
     raise BucketError(f"an op gave {type(res[0]).__name__} values per param, which a bucket cannot hold as one value")
 
 
+def _half_on_cpu(tl: list) -> bool:
+    """Whether a bucket's tensors are 16-bit floats on the CPU, read from its first (a bucket has one dtype and one
+    device): a test per op, not per tensor."""
+    first = list(tl)[0] if len(tl) else None  # (not list.__getitem__: see `TensorList.__getattr__`)
+    return first is not None and first.dtype in _HALF and first.is_cpu
+
+
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     "torch.linalg.vector_norm per tensor; one foreach kernel for the norm of all of each tensor's elements."
     if dim is None and not keepdim and isinstance(x, TensorList):
@@ -184,8 +191,7 @@ class TensorList(list):
         # torch's op per param where foreach would differ: no kernel takes a number and an alpha, and on the CPU the
         # in-place mul by a number rounds the number to a 16-bit float dtype first (Tensor.mul_ multiplies in float32;
         # CUDA's foreach kernel does too, in its float32 opmath: one call for the bucket there)
-        if number and (scaled or inplace and name == 'mul' and any(t.dtype in _HALF for t in self)
-                                                  and list.__getitem__(self, 0).is_cpu):  # (a bucket: one device)
+        if number and (scaled or inplace and name == 'mul' and _half_on_cpu(self)):
             res = [getattr(t, name + '_' * inplace)(other, **kw) for t in self]
         elif scaled and isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.is_cpu \
                 and type(other) is list:  # an alpha on a GPU (a tensor lr): `self + other * alpha` as one addcmul,

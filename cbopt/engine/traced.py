@@ -52,7 +52,7 @@ from ..core.chain import (chain_counters, chain_scope, cb_name, is_cbopts, is_de
 from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
 from ..core.tensorlist import TensorList
-from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
+from .buckets import Bucket, _bucket_key, _state_key, as_real, bucket_state, stand_in, write_state
 from .compiled import float64_0d_copies, is_float64_0d
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
@@ -257,13 +257,12 @@ def traced_step(opt) -> None:
         lrs.append(hyper.get('lr'))
         todo, grads = _with_grads(opt, gi, g)
         if not todo: continue
-        cbs = param_chain(g['cbs'])
-        transient = transient_keys(cbs)
+        own, transient, counters = _chain_facts(opt, gi)
+        cbs = [g['cbs'][i] for i in own]
         all_states = param_states(opt)  # (after the grads: see `_with_grads`)
         states = [all_states[p] for p in todo]
         if wide := _group_float64_keys(opt, gi):  # (see there: an in-place update of one would be lost)
             for st in states: st.update(float64_0d_copies(st, wide))
-        counters = chain_counters(cbs)
         if gi in per_param:
             for q, qst in zip(todo, states):
                 with as_real(Bucket(g, [q], [qst])) as b:  # (a bucket of one: the group's params may differ in dtype)
@@ -272,12 +271,11 @@ def traced_step(opt) -> None:
                     with _wide_counts(st, counters): run_param(cbs, p, st, hyper, transient)
                     _in_place(before, st)
             continue
-        grad_of = {id(p): grad for p, grad in zip(todo, grads)}
-        for b in _traced_buckets(g, todo, states, chain_scope(cbs) == 'tensor', _group_count_classes(opt, gi)):
+        for b, b_grads in _traced_buckets(g, todo, grads, states, _group_count_classes(opt, gi)):
             with torch.no_grad(), as_real(b) as real:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
                 if real is b:  # (the grads as read: a param's `.grad` read again would be guarded as a tensor)
                     p = TensorList(b.params)
-                    p.grad = TensorList([grad_of[id(q)] for q in b.params])
+                    p.grad = TensorList(b_grads)
                 else: p = stand_in(real)  # (complex params' real views, their grads given by as_real)
                 b, state = real, bucket_state(real)
                 before = dict(state)
@@ -351,21 +349,39 @@ def _per_param_groups(opt) -> tuple:
 
 
 @constant_result
+def _chain_facts(opt, gi: int) -> tuple:
+    """What the traced step needs of group `gi`'s chain, worked out eagerly (a constant of the trace: dynamo traced
+    each callback's declarations otherwise, an eighth of a compiled Adam step's traced instructions): the positions of
+    its per-param callbacks in the group's `cbs`, its transient state keys and its counters' keys. The callbacks
+    themselves are read in the trace, so dynamo guards them (as `can_trace` does)."""
+    cbs = groups(opt)[gi]['cbs']
+    own = param_chain(cbs)
+    return (tuple(i for i, cb in enumerate(cbs) if not is_model_cb(cb)), tuple(sorted(transient_keys(own))),
+            tuple(chain_counters(own)))
+
+
+@constant_result
 def _group_count_classes(opt, gi: int) -> tuple:
     """The class of each of group `gi`'s params with a grad, as `prepare` found them (`_share_counts`): read eagerly (a
     constant of the trace)."""
     return opt.__dict__.get('_count_classes', {}).get(gi, ())
 
 
-def _traced_buckets(g, params: list, states: list, by_rank: bool, classes: tuple) -> list[Bucket]:
-    """A group's params with a grad, in buckets one call of the chain serves (as `buckets.buckets`: device, dtype,
-    state keys and Python values; rank, for a chain reducing over whole params; and their count, one tensor per
-    bucket: `classes`, from `_share_counts`), worked out while dynamo traces."""
+def _traced_buckets(g, params: list, grads: list, states: list, classes: tuple) -> list[tuple[Bucket, list]]:
+    """A group's params with a grad (and their grads, as read), in the buckets one call of the chain serves, each with
+    its params' grads: `classes`, from `_share_counts` (as
+    `buckets.buckets`: device, dtype, state keys and Python values; rank, for a chain reducing over whole params; and
+    their count, one tensor per bucket, at most `TRACED_BUCKET_PARAMS` params). Each state's keys and Python values are
+    read here all the same (`_state_key`), so that dynamo guards them: a key added to one param's state, or a Python
+    value changed, traces the step again, and `_share_counts` buckets anew."""
     out: dict = {}
-    for p, st, cls in zip(params, states, classes, strict=True):
-        b = out.setdefault((_bucket_key(0, p, st, by_rank), cls), Bucket(g, [], []))
+    for p, grad, st, cls in zip(params, grads, states, classes, strict=True):
+        _state_key(st)
+        if cls not in out: out[cls] = (Bucket(g, [], []), [])
+        b, b_grads = out[cls]
         b.params.append(p)
         b.states.append(st)
+        b_grads.append(grad)
     return list(out.values())
 
 
