@@ -52,7 +52,7 @@ from ..core.chain import (chain_counters, chain_scope, cb_name, is_cbopts, is_de
 from ..core.dtensor import is_dtensor
 from ..core.hypers import Hypers
 from ..core.tensorlist import TensorList
-from .buckets import Bucket, _bucket_key, _state_key, as_real, bucket_state, stand_in, write_state
+from .buckets import Bucket, _bucket_key, as_real, bucket_state, stand_in, write_state
 from .compiled import float64_0d_copies, is_float64_0d
 from .foreach import dry_copy, probe, run_param
 from ..core.runtime import param_states, warn_once
@@ -160,8 +160,8 @@ def prepare(opt) -> bool:
                     if _kept(v): static_address(v)
     opt.__dict__['_counters_are_tensors'] = True
     opt.__dict__['_traced_per_param'] = tuple(per_param)
-    opt.__dict__['_float64_keys'] = {gi: _float64_keys(opt, g) for gi, g in enumerate(opt.param_groups)}
-    opt.__dict__['_count_classes'] = count_classes
+    opt.__dict__['_traced_groups'] = {gi: (*_state_keys(opt, g), count_classes.get(gi, ()))
+                                      for gi, g in enumerate(opt.param_groups)}
     return True
 
 
@@ -261,7 +261,8 @@ def traced_step(opt) -> None:
         cbs = [g['cbs'][i] for i in own]
         all_states = param_states(opt)  # (after the grads: see `_with_grads`)
         states = [all_states[p] for p in todo]
-        if wide := _group_float64_keys(opt, gi):  # (see there: an in-place update of one would be lost)
+        wide, python_keys, classes = _group_plan(opt, gi)
+        if wide:  # (see `compiled.float64_0d_copies`: an in-place update of one would be lost)
             for st in states: st.update(float64_0d_copies(st, wide))
         if gi in per_param:
             for q, qst in zip(todo, states):
@@ -271,7 +272,7 @@ def traced_step(opt) -> None:
                     with _wide_counts(st, counters): run_param(cbs, p, st, hyper, transient)
                     _in_place(before, st)
             continue
-        for b, b_grads in _traced_buckets(g, todo, grads, states, _group_count_classes(opt, gi)):
+        for b, b_grads in _traced_buckets(g, todo, grads, states, classes, python_keys + counters):
             with torch.no_grad(), as_real(b) as real:  # (a TensorList's `.data` is itself: no_grad as torch's step has)
                 if real is b:  # (the grads as read: a param's `.grad` read again would be guarded as a tensor)
                     p = TensorList(b.params)
@@ -327,18 +328,22 @@ def _in_place(before: Mapping, after: dict) -> None:
         after[k] = old
 
 
-def _float64_keys(opt, g) -> tuple:
-    "The keys of the 0-d float64 entries in the state of group `g`'s params (`compiled.float64_0d_copies`)."
-    states = (param_states(opt).get(p) or {} for p in g['params'] if p.grad is not None)
-    return tuple(sorted({k for st in states for k, v in st.items() if is_float64_0d(v)}))
+def _state_keys(opt, g) -> tuple[tuple, tuple]:
+    """The keys of the 0-d float64 entries in the state of group `g`'s params with a grad
+    (`compiled.float64_0d_copies`), and of their Python values."""
+    states = [param_states(opt).get(p) or {} for p in g['params'] if p.grad is not None]
+    return (tuple(sorted({k for st in states for k, v in st.items() if is_float64_0d(v)})),
+            tuple(sorted({k for st in states for k, v in st.items() if not isinstance(v, torch.Tensor)})))
 
 
 @constant_result
-def _group_float64_keys(opt, gi: int) -> tuple:
-    """Group `gi`'s `_float64_keys`, as `prepare` found them: read eagerly (a constant of the trace), so the traced step
-    copies those entries alone instead of scanning every entry of every param's state, which dynamo guarded entry by
-    entry at every call (the keys of each dict, and each value's type, shape and dtype)."""
-    return opt.__dict__.get('_float64_keys', {}).get(gi, ())
+def _group_plan(opt, gi: int) -> tuple[tuple, tuple, tuple]:
+    """What `prepare` found of group `gi`, read eagerly (a constant of the trace): the keys of its 0-d float64 state
+    entries and of its Python state values (`_state_keys`), and the class of each of its params with a grad
+    (`_share_counts`). The traced step copies the float64 entries alone and reads the Python values alone for their
+    guards (`_traced_buckets`), instead of scanning every entry of every param's state, which dynamo traced and guarded
+    entry by entry."""
+    return opt.__dict__.get('_traced_groups', {}).get(gi, ((), (), ()))
 
 
 @constant_result
@@ -360,23 +365,19 @@ def _chain_facts(opt, gi: int) -> tuple:
             tuple(chain_counters(own)))
 
 
-@constant_result
-def _group_count_classes(opt, gi: int) -> tuple:
-    """The class of each of group `gi`'s params with a grad, as `prepare` found them (`_share_counts`): read eagerly (a
-    constant of the trace)."""
-    return opt.__dict__.get('_count_classes', {}).get(gi, ())
-
-
-def _traced_buckets(g, params: list, grads: list, states: list, classes: tuple) -> list[tuple[Bucket, list]]:
-    """A group's params with a grad (and their grads, as read), in the buckets one call of the chain serves, each with
-    its params' grads: `classes`, from `_share_counts` (as
-    `buckets.buckets`: device, dtype, state keys and Python values; rank, for a chain reducing over whole params; and
-    their count, one tensor per bucket, at most `TRACED_BUCKET_PARAMS` params). Each state's keys and Python values are
-    read here all the same (`_state_key`), so that dynamo guards them: a key added to one param's state, or a Python
-    value changed, traces the step again, and `_share_counts` buckets anew."""
+def _traced_buckets(g, params: list, grads: list, states: list, classes: tuple,
+                    guarded_keys: tuple) -> list[tuple[Bucket, list]]:
+    """A group's params with a grad, in the buckets one call of the chain serves, each with its params' grads (as
+    read): `classes`, from `_share_counts` (as `buckets.buckets`: device, dtype, state keys and Python values; rank,
+    for a chain reducing over whole params; and their count, one tensor per bucket, at most `TRACED_BUCKET_PARAMS`
+    params). Each state's number of entries, and its entries at `guarded_keys` (its Python values, and its counts, of
+    which the chain reads a bucket's first alone), are read here all the same, so that dynamo guards them (the other
+    tensors the chain reads): an entry added to one param's state, a Python value changed or a count given anew
+    traces the step again, and `_share_counts` buckets anew."""
     out: dict = {}
     for p, grad, st, cls in zip(params, grads, states, classes, strict=True):
-        _state_key(st)
+        len(st)  # (dynamo guards the dict's length)
+        for k in guarded_keys: isinstance(st.get(k), torch.Tensor)  # (a value dynamo looks at: guarded by value or id)
         if cls not in out: out[cls] = (Bucket(g, [], []), [])
         b, b_grads = out[cls]
         b.params.append(p)
