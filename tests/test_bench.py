@@ -227,10 +227,12 @@ def test_lowbit_part(quick_run):
 def test_compile_step_part(tmp_path, monkeypatch):
     """Case 14 (`--only compile_step`) end to end on the quick GPT-2 set, its steps compiled with aot_eager (inductor's
     graph without its codegen, minutes here; the bench's runs use inductor): both pairs' rows in the JSON and the
-    table, a step ratio and a compile ratio each, cbopt's steps compiled in one graph, and cbopt's compiled Adam and Lion computing what torch's
+    table, a step ratio and a compile ratio each (each side's compile timed in a fresh process), cbopt's steps compiled
+    in one graph, and cbopt's compiled Adam and Lion computing what torch's
     compiled AdamW and lion-pytorch's compiled Lion compute, within the pair's tolerance."""
     from cbopt.cli.bench import cases
     monkeypatch.setattr(cases, 'COMPILE_STEP_COMPILER', 'aot_eager')
+    monkeypatch.setattr(cases, 'COMPILE_STEP_PROCESSES', 1)  # (a fresh process per side for its compile time)
     threads = torch.get_num_threads()
     try: bench.main(['--quick', '--threads', '1', '--only', 'compile_step', '--steps', '2', '--warmup', '1',
                      '--out', str(tmp_path)])
@@ -244,6 +246,8 @@ def test_compile_step_part(tmp_path, monkeypatch):
         assert set(pair['results']) == {ours, ref} and all('median_s' in r for r in pair['results'].values())
         assert pair['step_ratio'] > 0 and pair['compile_ratio'] is not None
         assert pair['results'][ours]['graphs'] == 1  # (compiled once, its state made at trace time)
+        for r in pair['results'].values():  # (each side's compile, in a fresh process of its own)
+            assert r['compile_s'] > 0 and r['compile_cpu_s'] > 0 and len(r['compile_runs_s']) == 1, r
         assert set(pair['numerics_gap']) == {ours, ref}
         assert pair['numerics_gap'][ours] <= pair['tolerance'], pair['numerics_gap']
     text = (tmp_path / 'bench.md').read_text()

@@ -21,7 +21,8 @@ How, in torch's way:
   changes dtype or shape between steps is then not seen by the guards, as with torch's). The per-call cost left
   beside the kernels is then about torch's: an identity guard per param and state tensor, and the grads passed in.
 - the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad
-  that share a device, dtype and state layout), on `TensorList` stand-ins, as the `foreach` backend does: the graph
+  that share a device, dtype, state layout and count, at most `TRACED_BUCKET_PARAMS` of them), on `TensorList`
+  stand-ins, as the `foreach` backend does: the graph
   holds one copy of the chain per bucket, of `torch._foreach_*` ops that inductor fuses horizontally (as torch's own
   compiled optimizers trace), whatever the number of params; every backend setting steps so under compile, the
   kernels being the compiler's. A chain with a callback that cannot run on a whole bucket (`foreach.probe`, run by

@@ -287,8 +287,9 @@ def compile_step_report(part: dict, quick: bool) -> str:
     which = 'the quick GPT-2 set' if quick else "GPT-2 small's set"
     return (f"**`torch.compile(opt.step)`** ({which}: {part['tensors']:,} tensors, {part['numel']:,} params; "
             f"`{part['compiler']}`, an empty inductor cache; ratios: cbopt's / the reference's, the step's the median "
-            f"of per-round ratios; compile: the first calls' wall time beyond as many steady steps, in this process, "
-            f"with the graphs dynamo compiled)\n\n"
+            f"of per-round ratios; compile: the first calls' wall time beyond as many steady steps, the fastest of "
+            f"{part.get('compile_processes', 1)} fresh processes per side, each with an empty inductor cache, with the "
+            f"graphs dynamo compiled)\n\n"
             f"{table(*compile_step_rows(part))}{note}")
 
 
