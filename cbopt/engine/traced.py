@@ -170,7 +170,7 @@ TRACED_BUCKET_PARAMS = 32
 """The most params one traced call of a chain steps (`_share_counts`), so one count and one set of bias corrections:
 every param's update reads its bucket's corrections, and inductor's fusion pass tries each node against up to 64 (its
 `max_fusion_buffer_group_pairwise_attempts`) of the others that read a buffer it reads, and the merged nodes against
-each other again, round after round; on GPT-2 small (150 params in one bucket) that pass took 12 s of a compile
+each other again, round after round; on GPT-2 small (148 params in one bucket) that pass took 12-16 s of a compile
 where torch's compiled AdamW spends 2 s in it. In buckets of 32 it takes about 5 s, every pair of a bucket still
 tried, so the same-size params of a bucket still merge their loops (the faster step)."""
 
