@@ -20,16 +20,15 @@ How, in torch's way:
   present alone, not by their metadata, five `hasattr`s and an aliasing check each at every call (a grad that
   changes dtype or shape between steps is then not seen by the guards, as with torch's). The per-call cost left
   beside the kernels is then about torch's: an identity guard per param and state tensor, and the grads passed in.
-- the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad
-  that share a device, dtype, state layout and count, at most `TRACED_BUCKET_PARAMS` of them), on `TensorList`
-  stand-ins, as the `foreach` backend does: the graph
-  holds one copy of the chain per bucket, of `torch._foreach_*` ops that inductor fuses horizontally (as torch's own
-  compiled optimizers trace), whatever the number of params; every backend setting steps so under compile, the
-  kernels being the compiler's. A chain with a callback that cannot run on a whole bucket (`foreach.probe`, run by
-  `prepare` on a copy; cbopt's own callbacks all can) is traced once per param instead (`run_param`, the `loop`
-  backend's path), with a one-time warning naming the callback. A tensor given where an op takes a number (a tensor
-  lr as `alpha=`, a bias correction from a tensor count as `value=`) is traced by dynamo as a tensor op (an fma), as
-  eager mode computes it.
+- the traced step runs each group's chain once per bucket (`_traced_buckets`: the params of a group with a grad that
+  share a device, dtype, state layout and count, at most `TRACED_BUCKET_PARAMS` of them), on `TensorList` stand-ins,
+  as the `foreach` backend does: the graph holds one copy of the chain per bucket, of `torch._foreach_*` ops that
+  inductor fuses horizontally (as torch's own compiled optimizers trace), whatever the number of params; every backend
+  setting steps so under compile, the kernels being the compiler's. A chain with a callback that cannot run on a whole
+  bucket (`foreach.probe`, run by `prepare` on a copy; cbopt's own callbacks all can) is traced once per param instead
+  (`run_param`, the `loop` backend's path), with a one-time warning naming the callback. A tensor given where an op
+  takes a number (a tensor lr as `alpha=`, a bias correction from a tensor count as `value=`) is traced by dynamo as a
+  tensor op (an fma), as eager mode computes it.
 
 The step runs eagerly instead, one graph break (`run_step`'s eager path), where tracing cannot do what eager does:
 whole-model callbacks (clipping, accumulation, L-BFGS: their state is Python numbers in the param groups), a closure,
