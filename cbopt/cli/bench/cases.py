@@ -32,7 +32,8 @@ ratios. The step time is the median over `--steps` rounds, after warm-up steps t
     of cbopt's 8-bit fused Adam over its fp32 fused Adam and over torchao's AdamW8bit, and the first steps (state
     creation and compilation) over torchao's, as ratios in one process.
 14. `torch.compile(opt.step)` on the GPT-2 set: cbopt's Adam against torch's compiled foreach AdamW, cbopt's Lion
-    against lion-pytorch's compiled step; the step time and the first call's (the compile's), as ratios.
+    against lion-pytorch's compiled step; the step time (interleaved, in one process) and the first calls' (the
+    compile's, in fresh processes), as ratios.
 """
 from __future__ import annotations
 
