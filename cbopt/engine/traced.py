@@ -356,9 +356,9 @@ def _chain_facts(opt, gi: int) -> tuple:
     its per-param callbacks in the group's `cbs`, its transient state keys and its counters' keys. The callbacks
     themselves are read in the trace, so dynamo guards them (as `can_trace` does)."""
     cbs = groups(opt)[gi]['cbs']
-    own = param_chain(cbs)
-    return (tuple(i for i, cb in enumerate(cbs) if not is_model_cb(cb)), tuple(sorted(transient_keys(own))),
-            tuple(chain_counters(own)))
+    at = tuple(i for i, cb in enumerate(cbs) if not is_model_cb(cb))
+    own = [cbs[i] for i in at]  # (`param_chain`)
+    return at, tuple(sorted(transient_keys(own))), tuple(chain_counters(own))
 
 
 def _traced_buckets(g, params: list, grads: list, states: list, classes: tuple) -> list[tuple[Bucket, list]]:

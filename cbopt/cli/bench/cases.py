@@ -278,16 +278,21 @@ def compile_case(width: float, quick: bool) -> dict:
     """`cold_compile` in a fresh subprocess with an empty inductor cache (a new `TORCHINDUCTOR_CACHE_DIR`), then again
     in another fresh process with that cache now filled (what a second run of the same script pays). Inductor compiles
     in the process itself (`TORCHINDUCTOR_COMPILE_THREADS=1`), so that its CPU time is counted."""
-    res = {}
     with tempfile.TemporaryDirectory(prefix='cbopt_bench_cold_') as cache:
-        env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1'}
-        code = (f'import json, torch, cbopt.cli.bench.cases as c; torch.set_num_threads({torch.get_num_threads()}); '
-                f'print(json.dumps(c.cold_compile({width!r}, {quick!r})))')
-        for key in ('cold', 'warm cache'):
-            run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
-            res[key] = (json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0
-                        else {'error': run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'failed'})
-    return res
+        return {key: _in_fresh_process(f'c.cold_compile({width!r}, {quick!r})', cache) for key in ('cold', 'warm cache')}
+
+
+def _in_fresh_process(call: str, cache: str) -> dict:
+    """`call` (an expression of this module as `c`, giving a dict) run in a fresh Python process with this one's torch
+    threads, `cache` as its inductor cache and inductor compiling in the process itself
+    (`TORCHINDUCTOR_COMPILE_THREADS=1`, so that its CPU time is counted): its answer, or `{'error': ...}` with the last
+    line the process wrote to stderr."""
+    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1'}
+    code = (f'import json, torch, cbopt.cli.bench.cases as c; torch.set_num_threads({torch.get_num_threads()}); '
+            f'print(json.dumps({call}))')
+    run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+    if run.returncode == 0: return json.loads(run.stdout.strip().splitlines()[-1])
+    return {'error': run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'failed'}
 
 
 # -- low-bit state (case 13, `--only lowbit`) -------------------------------------------------------------------------
@@ -400,12 +405,13 @@ def compile_step_case(shapes: list, rounds: int, warmup: int, progress: Progress
 COMPILE_STEP_PROCESSES = 2  # fresh processes per side, for its compile time (the fastest is kept: noise only adds)
 
 
-def first_compile(pair: str, name: str, shapes: list, calls: int, compiler: str) -> dict:
+def first_compile(pair: str, name: str, shapes: list, calls: int, compiler: str, device: str, dtype: str) -> dict:
     """Run in a fresh process (`_fresh_first_compiles`): contender `name` of `compile_step_contenders(compiler)[pair]`
-    on `shapes`, its first `calls` calls timed after a tiny compile that pays the compiler's one-time costs (as in any
-    process), then as many steady calls: its compile time is the first calls' wall time beyond the steady ones'
-    median, with the graphs dynamo compiled and the process's CPU seconds over the first calls (inductor compiling in
-    the process itself)."""
+    on `shapes`, placed on `device` in `dtype` (the parent's `PLACEMENT`), its first `calls` calls timed after a tiny
+    compile that pays the compiler's one-time costs (as in any process), then as many steady calls: its compile time
+    is the first calls' wall time beyond the steady ones' median, with the graphs dynamo compiled and the process's CPU
+    seconds over the first calls (inductor compiling in the process itself)."""
+    PLACEMENT.update(device=torch.device(device), dtype=getattr(torch, dtype))
     torch.compile(lambda x: x * 2 + 1, backend=compiler)(torch.ones(4))
     step = compile_step_contenders(compiler)[pair][0][name](make_params(shapes))
     cpu = time.process_time()
@@ -417,21 +423,17 @@ def first_compile(pair: str, name: str, shapes: list, calls: int, compiler: str)
 
 def _fresh_first_compiles(pair: str, names: tuple, shapes: list, calls: int, compiler: str) -> dict:
     """`first_compile` of each side of a pair, `COMPILE_STEP_PROCESSES` times, alternating sides, each in a fresh
-    process with an empty inductor cache of its own, inductor compiling in the process (`TORCHINDUCTOR_COMPILE_THREADS
-    =1`) and this process's torch threads and placement; per side, its fastest run (noise only adds time), with all
-    its runs' compile times, or the error of a failed run."""
-    device, dtype = PLACEMENT['device'], str(PLACEMENT['dtype']).removeprefix('torch.')
+    process with an empty inductor cache of its own (`_in_fresh_process`) and this process's placement; per side, its
+    fastest run (noise only adds time), with all its runs' compile times, or the error of a failed run (as
+    `compile_error`: `error` is the step's own, in the results)."""
+    device, dtype = str(PLACEMENT['device']), str(PLACEMENT['dtype']).removeprefix('torch.')
     runs: dict = {n: [] for n in names}
     for _ in range(COMPILE_STEP_PROCESSES):
         for n in names:
-            code = (f'import json, torch, cbopt.cli.bench.cases as c; torch.set_num_threads({torch.get_num_threads()}); '
-                    f'c.PLACEMENT.update(device=torch.device({str(device)!r}), dtype=torch.{dtype}); '
-                    f'print(json.dumps(c.first_compile({pair!r}, {n!r}, {list(shapes)!r}, {calls}, {compiler!r})))')
             with tempfile.TemporaryDirectory(prefix='cbopt_bench_compile_step_') as cache:
-                env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': cache, 'TORCHINDUCTOR_COMPILE_THREADS': '1'}
-                run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
-            runs[n].append(json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else
-                           {'compile_error': run.stderr.strip().splitlines()[-1] if run.stderr.strip() else 'failed'})
+                r = _in_fresh_process(f'c.first_compile({pair!r}, {n!r}, {list(shapes)!r}, {calls}, {compiler!r}, '
+                                      f'{device!r}, {dtype!r})', cache)
+            runs[n].append({'compile_error': r['error']} if 'error' in r else r)
     out = {}
     for n, rs in runs.items():
         ok = sorted((r for r in rs if 'compile_s' in r), key=lambda r: r['compile_s'])
